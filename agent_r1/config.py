@@ -1,0 +1,139 @@
+"""Typed configs from YAML plus `key.sub=value` overrides (cleanrl's `Args`, verifiers' configs).
+
+Each entry point owns one small dataclass; every field has a docstring (the string right after it),
+which `describe` prints as `--help`. Unknown keys are errors that name the closest valid key, and
+values are checked against the field types, so a typo fails at start, never hours into a run.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A bad config file, key or value; the message is one line naming what is wrong."""
+
+
+def load_config(cls: type[T], path: str | None = None, overrides: list[str] | None = None) -> T:
+    """Build `cls` from an optional YAML file, then `key.sub=value` overrides (YAML-parsed values)."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of keys to values")
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
+        *parents, leaf = key.split(".")
+        node = raw
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+        node[leaf] = yaml.safe_load(value) if value else ""
+    return _build(cls, raw, prefix="")
+
+
+def _build(cls: type[T], raw: dict[str, Any], prefix: str) -> T:
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(fields)}"
+            raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
+        kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    """Check (and gently convert: int -> float, list -> tuple) a value against a field type."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(arg, value, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"config key '{key}' must be {_name(tp)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' is a section; set its fields like {key}.field=value")
+        return _build(tp, value, prefix=f"{key}.")
+    if origin in (tuple, list):
+        if not isinstance(value, list | tuple):
+            value = [value]
+        inner = args[0] if args else Any
+        items = [_coerce(inner, v, key) for v in value]
+        return tuple(items) if origin is tuple else items
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"config key '{key}' must be one of {', '.join(map(repr, args))}, got {value!r}")
+        return value
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is str and isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ConfigError(f"config key '{key}' must be {_name(tp)}, got {value!r}")
+    return value
+
+
+def _name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def describe(cls: type, prefix: str = "") -> str:
+    """`key = default  # docstring` lines for every field (nested sections flattened)."""
+    docs = _field_docs(cls)
+    lines = []
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            lines.append(describe(type(default), prefix=f"{prefix}{f.name}."))
+            continue
+        lines.append(f"  {prefix}{f.name} = {default!r}  # {docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings: the string literal right after each field in the class body."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """Plain dict of a config, for saving the resolved config next to a run."""
+    return dataclasses.asdict(config)

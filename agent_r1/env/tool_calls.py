@@ -1,0 +1,71 @@
+"""Tool-call formats: parse the calls out of a response, render results back into the context.
+
+Hermes format (Qwen, NousResearch, Agent-R1): every call is a JSON object inside
+`<tool_call>...</tool_call>`, several per turn allowed; each result goes back inside
+`<tool_response>...</tool_response>`. Everything malformed becomes a `ParseError` that the model is
+shown, never an exception.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+@dataclass
+class ParsedCall:
+    name: str
+    arguments: object  # usually a dict; a JSON string is accepted and decoded by the executor
+
+
+@dataclass
+class ParseError:
+    message: str  # one line, shown to the model
+
+
+def parse_tool_calls(text: str) -> list[ParsedCall | ParseError]:
+    """Every `<tool_call>` block of a response, in order, parsed or turned into a ParseError."""
+    calls: list[ParsedCall | ParseError] = []
+    for match in _CALL.finditer(text):
+        body, closing = match.group(1).strip(), match.group(2)
+        if not closing:
+            calls.append(ParseError("unclosed <tool_call> tag: end each call with </tool_call>"))
+            continue
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError as exc:
+            calls.append(ParseError(f"tool call is not valid JSON ({exc.msg} at char {exc.pos})"))
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            calls.append(ParseError('tool call must be a JSON object like {"name": "...", "arguments": {...}}'))
+            continue
+        calls.append(ParsedCall(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
+    return calls
+
+
+def extract_answer(text: str) -> str | None:
+    """The content of the last `<answer>...</answer>` tag, or None when there is none."""
+    found = _ANSWER.findall(text)
+    return found[-1].strip() if found else None
+
+
+def format_tool_responses(outputs: list[str]) -> str:
+    """One user turn holding every result of this step, in call order (as Qwen's template does)."""
+    return "\n".join(f"<tool_response>\n{out}\n</tool_response>" for out in outputs)
+
+
+def tools_system_prompt(schemas: list[dict], instructions: str = "") -> str:
+    """Hermes-style system prompt: the tool schemas and the exact call syntax."""
+    listed = "\n".join(json.dumps(s, ensure_ascii=False) for s in schemas)
+    return (
+        (instructions.strip() + "\n\n" if instructions.strip() else "")
+        + "You can call tools. Their signatures are inside <tools></tools>:\n<tools>\n"
+        + listed
+        + "\n</tools>\nTo call a tool, write a JSON object inside <tool_call></tool_call> tags:\n"
+        + '<tool_call>\n{"name": <tool-name>, "arguments": <arguments-object>}\n</tool_call>\n'
+        + "Each result comes back inside <tool_response></tool_response> tags."
+    )

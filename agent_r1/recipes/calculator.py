@@ -1,0 +1,78 @@
+"""Calculator recipe: arithmetic word problems the model should solve by calling a calculator.
+
+Numbers are 2–4 digits, large enough that a 135M model cannot do the arithmetic in its head, so the
+reward (exact numeric match of the final answer) rewards using the tool. Difficulty = number of
+operations (1–3). The held-out split is a fixed seed range disjoint from training seeds.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from agent_r1.env.prompt_format import PromptFormat
+from agent_r1.env.tool_env import ToolEnv
+from agent_r1.rewards import numeric_match
+from agent_r1.tools import calculator
+from agent_r1.types import Message
+
+INSTRUCTIONS = (
+    "Solve the problem. Use the calculator for every computation, "
+    "then give the final number inside <answer></answer>."
+)
+
+# One worked episode, shown before the question when few_shot is on.
+EXAMPLE: list[Message] = [
+    {"role": "user", "content": "A shop sells 37 boxes with 24 pens in each box. How many pens does it sell?"},
+    {"role": "assistant", "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37 * 24"}}\n</tool_call>'},
+    {"role": "user", "content": "<tool_response>\n888\n</tool_response>"},
+    {"role": "assistant", "content": "<answer>888</answer>"},
+]
+
+_ITEMS = [("crates", "bottles"), ("boxes", "pencils"), ("bags", "marbles"), ("trucks", "bricks"), ("shelves", "books")]
+_HELD_OUT_SEED = 1_000_003  # train seeds stay below this; held-out tasks come from this seed on
+
+
+def make_problem(rng: random.Random, ops: int) -> dict[str, Any]:
+    """One word problem with `ops` operations (1–3) and its exact integer answer."""
+    holder, item = rng.choice(_ITEMS)
+    a, b = rng.randint(12, 99), rng.randint(13, 97)
+    text = f"A warehouse has {a} {holder} with {b} {item} in each."
+    answer, expr = a * b, f"{a} * {b}"
+    if ops >= 2:
+        c = rng.randint(101, 999)
+        if rng.random() < 0.5:
+            text += f" Then {c} more {item} arrive."
+            answer, expr = answer + c, f"{expr} + {c}"
+        else:
+            c = min(c, answer - 1)
+            text += f" Then {c} {item} are sold."
+            answer, expr = answer - c, f"{expr} - {c}"
+    if ops >= 3:
+        d = rng.randint(3, 19)
+        text += f" The same happens in {d} other warehouses, and in this one too."
+        answer, expr = answer * (d + 1), f"({expr}) * {d + 1}"
+    return {"question": f"{text} How many {item} are there in total?", "answer": answer, "solution": expr, "ops": ops}
+
+
+def make_tasks(n: int, seed: int = 0, ops: tuple[int, ...] = (1, 2), held_out: bool = False) -> list[dict[str, Any]]:
+    """`n` problems, deterministic in `seed`; `held_out` draws from a seed range training never uses."""
+    rng = random.Random(seed + (_HELD_OUT_SEED if held_out else 0))
+    return [make_problem(rng, ops[i % len(ops)]) for i in range(n)]
+
+
+def reward(task: dict[str, Any], answer: str) -> float:
+    """Exact numeric match of the final answer."""
+    return numeric_match(answer, task["answer"])
+
+
+def make_env(prompt_format: PromptFormat, max_turns: int = 4, few_shot: bool = True) -> ToolEnv:
+    """A ToolEnv with the calculator, this recipe's instructions and reward."""
+    return ToolEnv(
+        {"calculator": calculator},
+        prompt_format,
+        reward,
+        instructions=INSTRUCTIONS,
+        examples=EXAMPLE if few_shot else None,
+        max_turns=max_turns,
+    )

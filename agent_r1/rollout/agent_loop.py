@@ -1,0 +1,117 @@
+"""`AgentEnvLoop`: run N tasks × G samples through env + engine until every trajectory ends.
+
+Every trajectory is its own coroutine; their `generate` calls meet in the engine, which decodes them
+as one batch, and their tool calls run concurrently. Whatever the model writes or a tool does, a
+trajectory ends with a termination reason; an env exception ends that trajectory as `error`, never
+the run. Steps keep the exact prompt ids and sampled ids (see `merge` for training rows).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from agent_r1.env.base import Env
+from agent_r1.env.prompt_format import PromptFormat
+from agent_r1.rollout.engine import Engine, SamplingParams
+from agent_r1.types import Action, Observation, Step, Termination, Trajectory
+
+
+class AgentEnvLoop:
+    """Roll out a policy (an `Engine`) in fresh envs made by `make_env`."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        make_env: Callable[[], Env],
+        sampling: SamplingParams,
+        *,
+        prompt_format: PromptFormat | None = None,
+        max_steps: int = 32,
+        seed: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.make_env = make_env
+        self.sampling = sampling
+        self.prompt_format = prompt_format  # only needed by envs that return messages or text
+        self.max_steps = max_steps  # a safety cap; envs normally end episodes themselves
+        self.seed = seed
+
+    async def run(self, tasks: list[dict[str, Any]], group_size: int = 1) -> list[Trajectory]:
+        """Trajectories of every task × `group_size` samples, grouped task by task."""
+        trajs = []
+        for task in tasks:
+            group = uuid.uuid4().hex[:12]
+            trajs += [Trajectory(task=task, traj_id=f"{group}-{g}", group_id=group) for g in range(group_size)]
+        await asyncio.gather(*(self._episode(t, i) for i, t in enumerate(trajs)))
+        return trajs
+
+    def run_sync(self, tasks: list[dict[str, Any]], group_size: int = 1) -> list[Trajectory]:
+        return asyncio.run(self.run(tasks, group_size))
+
+    async def _episode(self, traj: Trajectory, index: int) -> None:
+        env = self.make_env()
+        try:
+            obs: Observation | None = await env.reset(traj.task)
+            traj.termination = Termination.MAX_TURNS
+            for turn in range(self.max_steps):
+                prompt = self._prompt_ids(obs)
+                if len(prompt) >= self.engine.max_context:
+                    traj.termination = Termination.CONTEXT_OVERFLOW
+                    break
+                out = (await self.engine.generate([prompt], self._params(env, index, turn)))[0]
+                action = Action(out.token_ids, out.logprobs, out.text, out.finish_reason)
+                obs, reward, done, info = await env.step(action)
+                step = Step(prompt, out.token_ids, out.logprobs, reward, info, out.text, turn)
+                traj.steps.append(step)
+                if done:
+                    traj.termination = Termination(info.get("termination", Termination.ANSWERED))
+                    break
+        except Exception as exc:  # a broken env or engine ends this trajectory, not the run
+            traj.termination = Termination.ERROR
+            traj.error = f"{type(exc).__name__}: {exc}"[:500]
+        traj.metrics = trajectory_metrics(traj)
+
+    def _params(self, env: Env, index: int, turn: int) -> SamplingParams:
+        """The loop's sampling params + the env's stop strings + a per-(trajectory, turn) seed."""
+        stop = tuple(dict.fromkeys(self.sampling.stop + tuple(getattr(env, "stop", ()))))
+        seed = None if self.seed is None else (self.seed * 1_000_003 + index) * 1_009 + turn
+        return dataclasses.replace(self.sampling, stop=stop, seed=seed)
+
+    def _prompt_ids(self, obs: Observation | None) -> list[int]:
+        if obs is None:
+            raise ValueError("env returned no observation but did not end the episode")
+        if obs.token_ids is not None:
+            return obs.token_ids
+        if self.prompt_format is None:
+            raise ValueError("env returned messages/text: give AgentEnvLoop a prompt_format")
+        if obs.messages is not None:
+            return self.prompt_format.initial(obs.messages)
+        return self.prompt_format.initial([{"role": "user", "content": obs.text}])
+
+
+def trajectory_metrics(traj: Trajectory) -> dict[str, float]:
+    """Per-trajectory counts the trainer and eval aggregate."""
+    infos = [s.info for s in traj.steps]
+    return {
+        "reward": traj.reward,
+        "turns": float(len(traj.steps)),
+        "tool_calls": float(sum(i.get("tool_calls", 0) for i in infos)),
+        "tool_errors": float(sum(sum(i.get("tool_errors", {}).values()) for i in infos)),
+        "format_errors": float(sum(i.get("format_errors", 0) for i in infos)),
+        "response_tokens": float(sum(len(s.response_ids) for s in traj.steps)),
+    }
+
+
+def summarize(trajs: list[Trajectory]) -> dict[str, float]:
+    """Batch means of the per-trajectory metrics, plus the share of each termination reason."""
+    if not trajs:
+        return {}
+    keys = trajs[0].metrics.keys()
+    out = {k: sum(t.metrics.get(k, 0.0) for t in trajs) / len(trajs) for k in keys}
+    for reason in Termination:
+        out[f"termination/{reason.value}"] = sum(t.termination == reason for t in trajs) / len(trajs)
+    return out

@@ -1,0 +1,56 @@
+"""The one interface every inference backend implements.
+
+The agent loop only ever calls `await engine.generate(prompts, params)`, so it neither knows nor cares
+whether the model lives in this process (`LocalEngine`), in a Ray actor or behind an HTTP server.
+Token ids in, token ids + log-probs out: text is derived, never the source of truth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one response. Requests with equal params can share one batch."""
+
+    max_new_tokens: int = 256  # upper bound on sampled tokens per response
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus sampling mass; 1.0 disables it
+    stop: tuple[str, ...] = ()  # generation ends once the decoded response contains one of these
+    seed: int | None = None  # seeds this call's sampling; None continues the engine's own stream
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class GenerateOutput:
+    """One sampled response.
+
+    `logprobs` are log-softmax of logits / temperature (temperature 1 when greedy), before top-p
+    truncation: the quantity the trainer recomputes for the importance ratio, as in verl.
+    """
+
+    token_ids: list[int]  # [R]
+    logprobs: list[float]  # [R]
+    text: str
+    finish_reason: str  # "stop" | "eos" | "length"
+    prompt_len: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    """Batched async generation over token ids."""
+
+    max_context: int  # prompt + response tokens the model can attend to
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerateOutput]:
+        """Sample one response per prompt."""
+        ...

@@ -1,0 +1,198 @@
+"""`LocalEngine`: generation with a torch model in this process, sharing weights with the trainer.
+
+Concurrent `generate` calls (one per trajectory in the agent loop) are queued and decoded together
+as one left-padded batch with a KV cache, so a turn of N×G trajectories costs one batched decode, not
+N×G. Finished rows are dropped from the batch and its cache as soon as they stop, so a batch costs
+what its still-running rows need. Decoding runs in a worker thread, which lets the event loop keep
+running tool calls while the model decodes.
+
+Each row samples from its own seeded generator, so a request's tokens do not depend on which other
+requests happened to share its batch (up to fp32 rounding differences between batch shapes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from agent_r1.rollout.engine import GenerateOutput, SamplingParams
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    seed: int
+    future: asyncio.Future
+
+
+class LocalEngine:
+    """Batched, KV-cached sampling from a Hugging Face causal LM in this process."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_batch_size: int = 64,
+        max_context: int | None = None,
+        seed: int = 0,
+        batch_wait_s: float = 0.002,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.max_context = max_context or int(getattr(model.config, "max_position_embeddings", 2048))
+        self.batch_wait_s = batch_wait_s
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self._seeds = random.Random(seed)
+        self._pending: dict[SamplingParams, list[_Request]] = {}
+        self._worker: asyncio.Task | None = None
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerateOutput]:
+        """Queue the prompts; they are decoded together with whatever else is pending."""
+        loop = asyncio.get_running_loop()
+        key = dataclasses.replace(params, seed=None)  # the seed is per request, not a batch property
+        base = params.seed if params.seed is not None else self._seeds.getrandbits(62)
+        requests = [_Request(list(p), base + i, loop.create_future()) for i, p in enumerate(prompts)]
+        self._pending.setdefault(key, []).extend(requests)
+        if self._worker is None or self._worker.done():
+            self._worker = loop.create_task(self._drain())
+        return list(await asyncio.gather(*(r.future for r in requests)))
+
+    async def _drain(self) -> None:
+        """Run pending requests batch by batch until the queue is empty."""
+        while self._pending:
+            await asyncio.sleep(self.batch_wait_s)  # let trajectories still finishing tool calls join
+            params, queue = next(iter(self._pending.items()))
+            batch, rest = queue[: self.max_batch_size], queue[self.max_batch_size :]
+            if rest:
+                self._pending[params] = rest
+            else:
+                del self._pending[params]
+            try:
+                outputs = await asyncio.to_thread(self.generate_batch, [r.prompt for r in batch], params, [r.seed for r in batch])
+            except Exception as exc:  # surface engine failures to every waiting caller
+                for r in batch:
+                    if not r.future.done():
+                        r.future.set_exception(exc)
+                continue
+            for r, out in zip(batch, outputs, strict=True):
+                if not r.future.done():
+                    r.future.set_result(out)
+
+    @torch.inference_mode()
+    def generate_batch(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[GenerateOutput]:
+        """Synchronously sample one response per prompt (the decode loop; shapes in comments)."""
+        B = len(prompts)
+        lens = torch.tensor([len(p) for p in prompts])  # [B]
+        budget = [min(params.max_new_tokens, self.max_context - n) for n in lens.tolist()]
+        if min(len(p) for p in prompts) == 0:
+            raise ValueError("cannot generate from an empty prompt")
+        P = int(lens.max())
+        input_ids = torch.full((B, P), self.pad_id, dtype=torch.long)  # [B, P] left-padded
+        attn = torch.zeros((B, P), dtype=torch.long)  # [B, P]
+        for i, p in enumerate(prompts):
+            input_ids[i, P - len(p) :] = torch.tensor(p)
+            attn[i, P - len(p) :] = 1
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, P] pads do not shift positions
+        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        out_ids: list[list[int]] = [[] for _ in range(B)]
+        out_lp: list[list[float]] = [[] for _ in range(B)]
+        finish = ["length"] * B
+        rows = [i for i in range(B) if budget[i] > 0]  # request index of each live batch row
+        if not rows:
+            return self._outputs(prompts, out_ids, out_lp, finish)
+        keep = torch.tensor(rows)
+        cache = DynamicCache()
+        logits = self.model(
+            input_ids=input_ids[keep],
+            attention_mask=attn[keep],
+            position_ids=positions[keep],
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1, :]  # [b, V]
+        attn, next_pos = attn[keep], lens[keep]  # [b, P], [b]
+        window = max((len(s) for s in params.stop), default=0) + 2
+        while True:
+            tokens, logprobs = _sample(logits.float(), params, [gens[i] for i in rows])  # [b], [b]
+            alive = []
+            for j, i in enumerate(rows):
+                tok = int(tokens[j])
+                out_ids[i].append(tok)
+                out_lp[i].append(float(logprobs[j]))
+                if tok in self.eos_ids:
+                    finish[i] = "eos"
+                elif params.stop and _hits_stop(self.tokenizer, out_ids[i][-window:], params.stop):
+                    finish[i] = "stop"
+                elif len(out_ids[i]) < budget[i]:
+                    alive.append(j)
+            if not alive:
+                break
+            if len(alive) < len(rows):  # drop finished rows from the batch and from the KV cache
+                sel = torch.tensor(alive)
+                cache.batch_select_indices(sel)
+                attn, next_pos, tokens = attn[sel], next_pos[sel], tokens[sel]
+                rows = [rows[j] for j in alive]
+            attn = torch.cat([attn, torch.ones((len(rows), 1), dtype=attn.dtype)], dim=1)  # [b, P+t]
+            logits = self.model(
+                input_ids=tokens.unsqueeze(1),  # [b, 1]
+                attention_mask=attn,
+                position_ids=next_pos.unsqueeze(1),  # [b, 1]
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1, :]
+            next_pos = next_pos + 1
+        return self._outputs(prompts, out_ids, out_lp, finish)
+
+    def _outputs(self, prompts, out_ids, out_lp, finish) -> list[GenerateOutput]:
+        outs = []
+        for p, ids, lp, fin in zip(prompts, out_ids, out_lp, finish, strict=True):
+            shown = ids[:-1] if fin == "eos" else ids  # the EOS token is sampled and trained, not shown
+            text = self.tokenizer.decode(shown, skip_special_tokens=False)
+            outs.append(GenerateOutput(token_ids=ids, logprobs=lp, text=text, finish_reason=fin, prompt_len=len(p)))
+        return outs
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams, gens: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return ids [b] and their log-probs [b] under logits / temperature."""
+    if params.temperature == 0:
+        logp = torch.log_softmax(logits, dim=-1)  # [b, V]
+        tokens = logp.argmax(dim=-1)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    logp = torch.log_softmax(logits / params.temperature, dim=-1)  # [b, V]
+    probs = logp.exp()
+    if params.top_p < 1.0:  # nucleus: keep the smallest prefix of sorted tokens with mass >= top_p
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p > params.top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+    cdf = probs.cumsum(-1)  # [b, V]
+    u = torch.stack([torch.rand((), generator=g) for g in gens]) * cdf[:, -1]  # [b] one draw per row
+    tokens = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _hits_stop(tokenizer: PreTrainedTokenizerBase, tail: list[int], stop: tuple[str, ...]) -> bool:
+    """True when the decoded tail of a response contains a stop string (checked every token)."""
+    text = tokenizer.decode(tail, skip_special_tokens=False)
+    return any(s in text for s in stop)
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """EOS ids from both the tokenizer and the generation config (chat models often list several)."""
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for value in (tokenizer.eos_token_id, getattr(gen, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    if not ids:
+        raise ValueError("the tokenizer and the model define no EOS token")
+    return ids

@@ -1,0 +1,40 @@
+"""Turn a trajectory's steps into training rows, merging steps whose contexts extend each other.
+
+When step k+1's prompt starts with step k's prompt + response, token for token, the two steps are one
+sequence: one forward pass gives every step's log-probs (linear instead of quadratic in turns). The
+loss mask is 1 exactly on the sampled ids; prompt and tool ids in between get 0. When the env
+rewrote the context, the prefix breaks and a new row starts: nothing is assumed to be append-only.
+"""
+
+from __future__ import annotations
+
+from agent_r1.types import Trajectory, TrainSequence
+
+
+def merge_trajectory(traj: Trajectory) -> list[TrainSequence]:
+    """Training rows of one trajectory, in step order."""
+    rows: list[TrainSequence] = []
+    row: TrainSequence | None = None
+    for step in traj.steps:
+        if row is not None and _extends(step.prompt_ids, row.input_ids):
+            new_prompt = step.prompt_ids[len(row.input_ids) :]
+        else:
+            row = TrainSequence(traj.traj_id, traj.group_id, [], [], [], [])
+            rows.append(row)
+            new_prompt = step.prompt_ids
+        n, r = len(new_prompt), len(step.response_ids)
+        row.input_ids += new_prompt + step.response_ids
+        row.loss_mask += [0] * n + [1] * r
+        row.logprobs += [0.0] * n + step.response_logprobs
+        row.step_index += [-1] * n + [step.index] * r
+    return rows
+
+
+def merge_trajectories(trajs: list[Trajectory]) -> list[TrainSequence]:
+    """Training rows of many trajectories, flattened."""
+    return [row for t in trajs for row in merge_trajectory(t)]
+
+
+def _extends(prompt: list[int], context: list[int]) -> bool:
+    """True when `prompt` is `context` followed by zero or more new tokens."""
+    return len(prompt) >= len(context) and prompt[: len(context)] == context

@@ -1,0 +1,107 @@
+"""Core data types of the step-level MDP.
+
+An episode is a list of `Step`s. Each step holds the exact prompt token ids the policy saw and the
+exact token ids it sampled (with their log-probs); nothing is ever decoded and re-tokenized for
+training. The environment, not string concatenation, decides the next prompt, so consecutive steps
+need not extend each other; `rollout.merge` joins them into one training row when they do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+Message = dict[str, Any]  # {"role": "user" | "assistant" | "system", "content": str}
+
+
+@dataclass
+class Observation:
+    """What the environment shows the policy. Exactly one of the three forms is set.
+
+    `token_ids` is the form multi-turn envs use after the first turn: the env owns the context as ids,
+    so tool outputs are tokenized once, when they enter the context, and sampled ids stay exact.
+    """
+
+    messages: list[Message] | None = None  # chat messages, rendered with the chat template
+    text: str | None = None  # plain text, rendered as one user turn by the prompt format
+    token_ids: list[int] | None = None  # [T] the full prompt, used as is
+
+    def __post_init__(self) -> None:
+        given = [x is not None for x in (self.messages, self.text, self.token_ids)]
+        if sum(given) != 1:
+            raise ValueError("Observation needs exactly one of messages, text or token_ids")
+
+
+@dataclass
+class Action:
+    """What the policy produced in one step: the sampled ids are the ground truth, text is derived."""
+
+    token_ids: list[int]  # [R] sampled ids, exactly as generated
+    logprobs: list[float]  # [R] log-prob of each sampled id under the rollout policy
+    text: str  # decoded token_ids, for parsing tool calls and for humans
+    finish_reason: str = "stop"  # "stop" (stop string) | "eos" | "length"
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"Action has {len(self.token_ids)} ids but {len(self.logprobs)} logprobs")
+
+
+class Termination(StrEnum):
+    """Why a trajectory ended."""
+
+    ANSWERED = "answered"  # the env ended the episode (the model answered)
+    MAX_TURNS = "max_turns"  # the turn budget ran out
+    CONTEXT_OVERFLOW = "context_overflow"  # the next prompt no longer fits the context window
+    ERROR = "error"  # the env raised; the trajectory is kept for inspection, never crashes the run
+
+
+@dataclass
+class Step:
+    """One RL transition: prompt ids -> sampled response ids, plus what the env answered."""
+
+    prompt_ids: list[int]  # [P] exact prompt the policy saw
+    response_ids: list[int]  # [R] exact sampled ids
+    response_logprobs: list[float]  # [R] rollout log-probs of response_ids
+    reward: float | None = None  # env reward for this step (process reward), None if none
+    info: dict[str, Any] = field(default_factory=dict)  # env info (tool calls, errors, ...)
+    text: str = ""  # decoded response, for parsing and viewing only
+    index: int = 0  # position of the step in its trajectory
+
+
+@dataclass
+class Trajectory:
+    """One episode of one task sample. `group_id` ties the G samples of a task together (GRPO)."""
+
+    task: dict[str, Any]
+    traj_id: str
+    group_id: str
+    steps: list[Step] = field(default_factory=list)
+    termination: Termination | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # message of the env exception when termination is ERROR
+
+    @property
+    def rewards(self) -> list[float]:
+        """Per-step rewards, 0.0 where the env gave none."""
+        return [s.reward or 0.0 for s in self.steps]
+
+    @property
+    def reward(self) -> float:
+        """Total (undiscounted) reward of the episode."""
+        return sum(self.rewards)
+
+
+@dataclass
+class TrainSequence:
+    """One training row: consecutive steps merged where each prompt extends the previous context.
+
+    Masks come from the data: sampled tokens are trainable, prompt and tool tokens are not.
+    """
+
+    traj_id: str
+    group_id: str
+    input_ids: list[int]  # [T]
+    loss_mask: list[int]  # [T] 1 on sampled tokens, 0 on prompt / tool / env tokens
+    logprobs: list[float]  # [T] rollout log-prob on sampled tokens, 0.0 elsewhere
+    step_index: list[int]  # [T] index of the step that sampled the token, -1 on non-sampled tokens
