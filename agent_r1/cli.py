@@ -20,7 +20,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (cls, _, help_text) in COMMANDS.items():
         p = sub.add_parser(
-            name, help=help_text, epilog="config keys:\n" + describe(cls), formatter_class=argparse.RawDescriptionHelpFormatter
+            name,
+            help=help_text,
+            epilog="config keys:\n" + describe(cls),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         p.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value")
     ns = parser.parse_args(argv)

@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import itertools
 import textwrap
 import types
 import typing
@@ -92,12 +93,19 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         return tuple(items) if origin is tuple else items
     if origin is typing.Literal:
         if value not in args:
-            raise ConfigError(f"config key '{key}' must be one of {', '.join(map(repr, args))}, got {value!r}")
+            raise ConfigError(
+                f"config key '{key}' must be one of {', '.join(map(repr, args))}, got {value!r}"
+            )
         return value
     if tp is Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads "2e-4" (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp is str and isinstance(value, int | float) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
@@ -127,10 +135,11 @@ def _field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
-    for node, nxt in zip(body, body[1:], strict=False):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
-                docs[node.target.id] = " ".join(nxt.value.value.split())
+    for node, nxt in itertools.pairwise(body):
+        is_field = isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+        is_doc = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+        if is_field and is_doc and isinstance(nxt.value.value, str):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 
 

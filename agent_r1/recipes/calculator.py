@@ -2,11 +2,13 @@
 
 Numbers are 2–4 digits, large enough that a 135M model cannot do the arithmetic in its head, so the
 reward (exact numeric match of the final answer) rewards using the tool. Difficulty = number of
-operations (1–3). The held-out split is a fixed seed range disjoint from training seeds.
+operations (1–3). The held-out split is disjoint from training by construction: a problem is
+held out exactly when a stable hash of its text falls in a fixed 10% bucket, whatever the seed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from typing import Any
 
@@ -23,14 +25,26 @@ INSTRUCTIONS = (
 
 # One worked episode, shown before the question when few_shot is on.
 EXAMPLE: list[Message] = [
-    {"role": "user", "content": "A shop sells 37 boxes with 24 pens in each box. How many pens does it sell?"},
-    {"role": "assistant", "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37 * 24"}}\n</tool_call>'},
+    {
+        "role": "user",
+        "content": "A shop sells 37 boxes with 24 pens in each box. How many pens does it sell?",
+    },
+    {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37 * 24"}}\n'
+        "</tool_call>",
+    },
     {"role": "user", "content": "<tool_response>\n888\n</tool_response>"},
     {"role": "assistant", "content": "<answer>888</answer>"},
 ]
 
-_ITEMS = [("crates", "bottles"), ("boxes", "pencils"), ("bags", "marbles"), ("trucks", "bricks"), ("shelves", "books")]
-_HELD_OUT_SEED = 1_000_003  # train seeds stay below this; held-out tasks come from this seed on
+_ITEMS = [
+    ("crates", "bottles"),
+    ("boxes", "pencils"),
+    ("bags", "marbles"),
+    ("trucks", "bricks"),
+    ("shelves", "books"),
+]
 
 
 def make_problem(rng: random.Random, ops: int) -> dict[str, Any]:
@@ -40,25 +54,42 @@ def make_problem(rng: random.Random, ops: int) -> dict[str, Any]:
     text = f"A warehouse has {a} {holder} with {b} {item} in each."
     answer, expr = a * b, f"{a} * {b}"
     if ops >= 2:
-        c = rng.randint(101, 999)
         if rng.random() < 0.5:
+            c = rng.randint(101, 999)
             text += f" Then {c} more {item} arrive."
             answer, expr = answer + c, f"{expr} + {c}"
         else:
-            c = min(c, answer - 1)
+            c = rng.randint(11, min(999, answer // 2))
             text += f" Then {c} {item} are sold."
             answer, expr = answer - c, f"{expr} - {c}"
     if ops >= 3:
         d = rng.randint(3, 19)
         text += f" The same happens in {d} other warehouses, and in this one too."
         answer, expr = answer * (d + 1), f"({expr}) * {d + 1}"
-    return {"question": f"{text} How many {item} are there in total?", "answer": answer, "solution": expr, "ops": ops}
+    return {
+        "question": f"{text} How many {item} are there in total?",
+        "answer": answer,
+        "solution": expr,
+        "ops": ops,
+    }
 
 
-def make_tasks(n: int, seed: int = 0, ops: tuple[int, ...] = (1, 2), held_out: bool = False) -> list[dict[str, Any]]:
-    """`n` problems, deterministic in `seed`; `held_out` draws from a seed range training never uses."""
-    rng = random.Random(seed + (_HELD_OUT_SEED if held_out else 0))
-    return [make_problem(rng, ops[i % len(ops)]) for i in range(n)]
+def is_held_out(question: str) -> bool:
+    """The fixed held-out bucket (10% of all problems), independent of any seed."""
+    return int(hashlib.sha256(question.encode()).hexdigest(), 16) % 10 == 0
+
+
+def make_tasks(
+    n: int, seed: int = 0, ops: tuple[int, ...] = (1, 2), held_out: bool = False
+) -> list[dict[str, Any]]:
+    """`n` problems of the train or the held-out split, deterministic in `seed`."""
+    rng = random.Random(seed)
+    tasks: list[dict[str, Any]] = []
+    while len(tasks) < n:
+        task = make_problem(rng, ops[len(tasks) % len(ops)])
+        if is_held_out(task["question"]) == held_out:
+            tasks.append(task)
+    return tasks
 
 
 def reward(task: dict[str, Any], answer: str) -> float:

@@ -76,7 +76,9 @@ class LocalEngine:
             else:
                 del self._pending[params]
             try:
-                outputs = await asyncio.to_thread(self.generate_batch, [r.prompt for r in batch], params, [r.seed for r in batch])
+                outputs = await asyncio.to_thread(
+                    self.generate_batch, [r.prompt for r in batch], params, [r.seed for r in batch]
+                )
             except Exception as exc:  # surface engine failures to every waiting caller
                 for r in batch:
                     if not r.future.done():
@@ -87,7 +89,9 @@ class LocalEngine:
                     r.future.set_result(out)
 
     @torch.inference_mode()
-    def generate_batch(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[GenerateOutput]:
+    def generate_batch(
+        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]
+    ) -> list[GenerateOutput]:
         """Synchronously sample one response per prompt (the decode loop; shapes in comments)."""
         B = len(prompts)
         lens = torch.tensor([len(p) for p in prompts])  # [B]
@@ -156,11 +160,15 @@ class LocalEngine:
         for p, ids, lp, fin in zip(prompts, out_ids, out_lp, finish, strict=True):
             shown = ids[:-1] if fin == "eos" else ids  # the EOS token is sampled and trained, not shown
             text = self.tokenizer.decode(shown, skip_special_tokens=False)
-            outs.append(GenerateOutput(token_ids=ids, logprobs=lp, text=text, finish_reason=fin, prompt_len=len(p)))
+            outs.append(
+                GenerateOutput(token_ids=ids, logprobs=lp, text=text, finish_reason=fin, prompt_len=len(p))
+            )
         return outs
 
 
-def _sample(logits: torch.Tensor, params: SamplingParams, gens: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample(
+    logits: torch.Tensor, params: SamplingParams, gens: list[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return ids [b] and their log-probs [b] under logits / temperature."""
     if params.temperature == 0:
         logp = torch.log_softmax(logits, dim=-1)  # [b, V]

@@ -8,7 +8,7 @@ rewrote the context, the prefix breaks and a new row starts: nothing is assumed 
 
 from __future__ import annotations
 
-from agent_r1.types import Trajectory, TrainSequence
+from agent_r1.types import TrainSequence, Trajectory
 
 
 def merge_trajectory(traj: Trajectory) -> list[TrainSequence]:

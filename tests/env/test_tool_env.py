@@ -1,0 +1,173 @@
+"""ToolEnv: every way a model or a tool can misbehave becomes an observation and a counted metric."""
+
+import asyncio
+import time
+
+import pytest
+
+from agent_r1.env.prompt_format import ChatFormat
+from agent_r1.env.tool_env import ToolEnv
+from agent_r1.tools import ToolResult, calculator, echo, tool
+from agent_r1.types import Action, Termination
+
+
+@tool(timeout=0.2)
+def sleepy(seconds: float) -> str:
+    """Sleep.
+
+    Args:
+        seconds: how long
+    """
+    time.sleep(seconds)
+    return "woke"
+
+
+@tool
+def boom(x: int) -> str:
+    """Raise.
+
+    Args:
+        x: anything
+    """
+    raise RuntimeError("kaboom")
+
+
+@tool(max_output_chars=100)
+def flood(n: int) -> str:
+    """Return n characters.
+
+    Args:
+        n: how many
+    """
+    return "y" * n
+
+
+@tool
+def scored(x: int) -> ToolResult:
+    """Return x with a process reward.
+
+    Args:
+        x: value
+    """
+    return ToolResult(str(x), reward=0.25)
+
+
+TOOLS = {t.name: t for t in (calculator, echo, sleepy, boom, flood, scored)}
+
+
+def action(tokenizer, text, finish="stop"):
+    ids = tokenizer.encode(text)
+    return Action(ids, [-1.0] * len(ids), text, finish)
+
+
+def call(name, args):
+    import json
+
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': args})}</tool_call>"
+
+
+async def one_step(tokenizer, text, **kw):
+    env = ToolEnv(TOOLS, ChatFormat(tokenizer), lambda task, answer: float(answer == "7"), **kw)
+    first = await env.reset({"question": "q"})
+    result = await env.step(action(tokenizer, text))
+    return env, first, result
+
+
+@pytest.mark.parametrize(
+    ("text", "kind", "shown"),
+    [
+        ("<tool_call>{not json}</tool_call>", "parse_error", "Error: tool call is not valid JSON"),
+        (call("nope", {}), "unknown_tool", "Error: unknown tool 'nope'"),
+        (call("calculator", {"expr": "1"}), "invalid_arguments", "Error: invalid arguments for calculator"),
+        (call("calculator", {}), "invalid_arguments", "Error: invalid arguments for calculator"),
+        (
+            call("calculator", {"expression": 5}),
+            "invalid_arguments",
+            "Error: invalid arguments for calculator",
+        ),
+        (call("boom", {"x": 1}), "exception", "Error: boom raised RuntimeError: kaboom"),
+        (call("sleepy", {"seconds": 3}), "timeout", "Error: tool sleepy timed out"),
+        (call("calculator", {"expression": "9**9**9"}), "exception", "Error: calculator raised ValueError"),
+    ],
+)
+async def test_failures_become_observations_and_metrics(tokenizer, text, kind, shown):
+    start = time.perf_counter()
+    _env, _, (obs, reward, done, info) = await one_step(tokenizer, text)
+    assert time.perf_counter() - start < 2.0
+    assert not done and reward is None
+    assert info["tool_errors"] == {kind: 1}
+    assert info["format_errors"] == (kind == "parse_error")
+    new_text = tokenizer.decode(obs.token_ids)
+    assert shown in new_text.split("<tool_response>")[-1]
+
+
+async def test_huge_output_is_truncated_and_counted(tokenizer):
+    _env, _, (obs, _, done, info) = await one_step(tokenizer, call("flood", {"n": 5_000_000}))
+    assert not done and info["truncated_outputs"] == 1 and info["tool_errors"] == {}
+    assert len(info["tool_results"][0]["output"]) < 200
+    assert len(obs.token_ids) < 1000
+
+
+async def test_calls_run_concurrently_and_context_is_appended(tokenizer):
+    text = (
+        call("sleepy", {"seconds": 0.1})
+        + call("sleepy", {"seconds": 0.1})
+        + call("calculator", {"expression": "3+4"})
+    )
+    start = time.perf_counter()
+    _env, first, (obs, _, _done, info) = await one_step(tokenizer, text)
+    assert time.perf_counter() - start < 0.19  # two 0.1 s calls overlapped
+    assert info["tool_calls"] == 3 and info["tool_errors"] == {}
+    sampled = tokenizer.encode(text)
+    assert obs.token_ids[: len(first.token_ids) + len(sampled)] == first.token_ids + sampled
+    assert tokenizer.decode(obs.token_ids).endswith(
+        "<tool_response>\nwoke\n</tool_response>\n<tool_response>\nwoke\n</tool_response>\n"
+        "<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+async def test_answer_ends_the_episode_with_the_outcome_reward(tokenizer):
+    _, _, (obs, reward, done, info) = await one_step(tokenizer, "It is <answer>7</answer>")
+    assert done and obs is None and reward == 1.0 and info["termination"] == Termination.ANSWERED
+    _, _, (_, reward, done, _) = await one_step(tokenizer, "I think 8.")  # no tool call = an answer
+    assert done and reward == 0.0
+
+
+async def test_process_rewards_and_max_turns(tokenizer):
+    env = ToolEnv(TOOLS, ChatFormat(tokenizer), max_turns=2)
+    await env.reset({"question": "q"})
+    _, reward, done, _ = await env.step(
+        action(tokenizer, call("scored", {"x": 1}) + call("scored", {"x": 2}))
+    )
+    assert reward == 0.5 and not done
+    _, reward, done, info = await env.step(action(tokenizer, call("scored", {"x": 3})))
+    assert done and info["termination"] == Termination.MAX_TURNS
+
+
+async def test_rewrite_replaces_the_context(tokenizer):
+    def keep_last_exchange(messages):
+        return [messages[0], messages[-1]]  # system + latest tool results only
+
+    _env, _first, (obs, _, _, _) = await one_step(
+        tokenizer, call("echo", {"text": "zz"}), rewrite=keep_last_exchange
+    )
+    text = tokenizer.decode(obs.token_ids)
+    assert "<tool_response>\nzz\n</tool_response>" in text and '"arguments": {"text": "zz"}' not in text
+
+
+def test_bad_max_turns():
+    with pytest.raises(ValueError, match="max_turns"):
+        ToolEnv(TOOLS, None, max_turns=0)
+
+
+async def test_hung_tool_does_not_block_the_event_loop(tokenizer):
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        for _ in range(10):
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    await asyncio.gather(one_step(tokenizer, call("sleepy", {"seconds": 0.5})), ticker())
+    assert ticks == 10

@@ -1,0 +1,154 @@
+"""The agent loop end to end with the tiny model, and the log-prob consistency guard rail."""
+
+import torch
+
+from agent_r1.env.base import StepResult
+from agent_r1.rollout.agent_loop import AgentEnvLoop, summarize
+from agent_r1.rollout.engine import GenerateOutput, SamplingParams
+from agent_r1.rollout.merge import merge_trajectories
+from agent_r1.types import Observation, Termination
+from tests.conftest import recompute_logprobs
+
+
+class ChattyEnv:
+    """Always answers with a fixed observation for `turns` turns; optionally rewrites the context."""
+
+    stop = ()
+
+    def __init__(self, tokenizer, turns=3, rewrite=False):
+        self.tok, self.turns, self.rewrite = tokenizer, turns, rewrite
+
+    async def reset(self, task):
+        self.n = 0
+        self.context = self.tok.encode(task["question"])
+        return Observation(token_ids=list(self.context))
+
+    async def step(self, action):
+        self.n += 1
+        if self.n >= self.turns:
+            return StepResult(None, 1.0, True, {"termination": Termination.ANSWERED})
+        obs = self.tok.encode(f"\nobservation {self.n}:")
+        if self.rewrite:  # keep the question, drop the history
+            self.context = self.context[:3] + obs
+        else:
+            self.context = self.context + action.token_ids + obs
+        return StepResult(Observation(token_ids=list(self.context)), 0.5, False, {})
+
+
+TASKS = [
+    {"question": "What is 17 times 23?"},
+    {"question": "Hi"},
+    {"question": "A much longer question about apples."},
+]
+
+
+def run(engine, tokenizer, rewrite=False, group=2, turns=3, temperature=1.0):
+    loop = AgentEnvLoop(
+        engine,
+        lambda: ChattyEnv(tokenizer, turns, rewrite),
+        SamplingParams(max_new_tokens=12, temperature=temperature),
+        seed=1,
+    )
+    return loop.run_sync(TASKS, group_size=group)
+
+
+def max_logprob_gap(model, rows) -> float:
+    gap = 0.0
+    for row in rows:
+        ref = recompute_logprobs(model, row.input_ids)  # [T-1] predicts tokens 1..T-1
+        mask = torch.tensor(row.loss_mask[1:], dtype=torch.bool)
+        got = torch.tensor(row.logprobs[1:])
+        gap = max(gap, (ref[mask] - got[mask]).abs().max().item())
+    return gap
+
+
+def test_multi_turn_rollout_is_token_exact(engine, tiny_model, tokenizer):
+    trajs = run(engine, tokenizer)
+    assert len(trajs) == 6 and len({t.group_id for t in trajs}) == 3
+    assert all(t.termination == Termination.ANSWERED and len(t.steps) == 3 for t in trajs)
+    rows = merge_trajectories(trajs)
+    assert len(rows) == 6  # every trajectory merged into one row
+    assert all(
+        sum(r.loss_mask) == sum(len(s.response_ids) for s in t.steps)
+        for r, t in zip(rows, trajs, strict=True)
+    )
+    assert max_logprob_gap(tiny_model, rows) <= 1e-4
+
+
+def test_rewritten_contexts_stay_separate_and_exact(engine, tiny_model, tokenizer):
+    trajs = run(engine, tokenizer, rewrite=True, group=1)
+    rows = merge_trajectories(trajs)
+    assert len(rows) == 3 * 3  # the prefix breaks every step
+    assert max_logprob_gap(tiny_model, rows) <= 1e-4
+
+
+def test_same_seed_same_rollout(engine, tokenizer):
+    a = run(engine, tokenizer, group=1)
+    b = run(engine, tokenizer, group=1)
+    assert [s.response_ids for t in a for s in t.steps] == [s.response_ids for t in b for s in t.steps]
+
+
+def test_rewards_and_metrics(engine, tokenizer):
+    trajs = run(engine, tokenizer, group=1, turns=2)
+    assert all(t.rewards == [0.5, 1.0] and t.reward == 1.5 for t in trajs)
+    m = summarize(trajs)
+    assert m["turns"] == 2 and m["reward"] == 1.5 and m["termination/answered"] == 1.0
+
+
+class BrokenEnv(ChattyEnv):
+    async def step(self, action):
+        raise RuntimeError("env exploded")
+
+
+def test_env_exception_ends_the_trajectory_not_the_run(engine, tokenizer):
+    loop = AgentEnvLoop(engine, lambda: BrokenEnv(tokenizer), SamplingParams(max_new_tokens=4))
+    (t,) = loop.run_sync(TASKS[:1])
+    assert t.termination == Termination.ERROR and "env exploded" in t.error
+
+
+def test_context_overflow_ends_the_trajectory(engine, tokenizer):
+    engine.max_context = 30
+    trajs = run(engine, tokenizer, group=1, turns=10)
+    long = trajs[2]
+    assert long.termination == Termination.CONTEXT_OVERFLOW
+    assert all(len(s.prompt_ids) + len(s.response_ids) <= 30 for t in trajs for s in t.steps)
+
+
+class ScriptedEngine:
+    """Returns fixed responses in order: lets ToolEnv tests drive exact model outputs."""
+
+    max_context = 4096
+
+    def __init__(self, tokenizer, responses):
+        self.tok, self.responses = tokenizer, list(responses)
+
+    async def generate(self, prompts, params):
+        text = self.responses.pop(0)
+        ids = self.tok.encode(text)
+        return [GenerateOutput(ids, [-1.0] * len(ids), text, "stop", len(prompts[0]))]
+
+
+def test_loop_with_tool_env_and_echo_tool(tokenizer):
+    from agent_r1.env.prompt_format import ChatFormat
+    from agent_r1.env.tool_env import ToolEnv
+    from agent_r1.tools import echo
+
+    def reward(task, answer):  # 1 only if the echo tool really ran and its output was used
+        return float(answer == "ping-42")
+
+    engine = ScriptedEngine(
+        tokenizer,
+        [
+            '<tool_call>{"name": "echo", "arguments": {"text": "ping-42"}}</tool_call>',
+            "<answer>ping-42</answer>",
+        ],
+    )
+    loop = AgentEnvLoop(
+        engine, lambda: ToolEnv({"echo": echo}, ChatFormat(tokenizer), reward), SamplingParams()
+    )
+    (t,) = loop.run_sync([{"question": "echo ping-42"}])
+    assert t.termination == Termination.ANSWERED and t.reward == 1.0
+    assert t.metrics["tool_calls"] == 1 and t.metrics["turns"] == 2
+    assert t.steps[0].info["tool_results"][0]["output"] == "ping-42"
+    (row,) = merge_trajectories([t])
+    assert "<tool_response>\nping-42\n</tool_response>" in tokenizer.decode(row.input_ids)

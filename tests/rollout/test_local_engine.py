@@ -1,0 +1,111 @@
+import asyncio
+
+import pytest
+import torch
+
+from agent_r1.rollout.engine import SamplingParams
+from tests.conftest import recompute_logprobs
+
+
+def gen(engine, prompts, **kw):
+    return engine.generate_batch(prompts, SamplingParams(**kw), seeds=list(range(len(prompts))))
+
+
+def prompts_of(tokenizer):
+    texts = [
+        "Hello there, how are you today?",
+        "2+2",
+        "The quick brown fox jumps over the lazy dog again and again",
+    ]
+    return [tokenizer.encode(t) for t in texts]
+
+
+def test_greedy_matches_hf_generate(engine, tiny_model, tokenizer):
+    prompt = prompts_of(tokenizer)[0]
+    (out,) = gen(engine, [prompt], max_new_tokens=12, temperature=0.0)
+    ref = tiny_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert out.token_ids == ref[0, len(prompt) :].tolist()
+    assert out.finish_reason == "length"
+
+
+def test_left_padded_batch_equals_single_rows(engine, tokenizer):
+    prompts = prompts_of(tokenizer)
+    batched = gen(engine, prompts, max_new_tokens=10, temperature=0.0)
+    for p, b in zip(prompts, batched, strict=True):
+        (single,) = gen(engine, [p], max_new_tokens=10, temperature=0.0)
+        assert b.token_ids == single.token_ids
+        assert max(abs(x - y) for x, y in zip(b.logprobs, single.logprobs, strict=True)) < 1e-4
+
+
+def test_sampled_logprobs_match_a_plain_forward(engine, tiny_model, tokenizer):
+    prompts = prompts_of(tokenizer)
+    for temperature in (1.0, 0.7):
+        outs = gen(engine, prompts, max_new_tokens=16, temperature=temperature)
+        for p, o in zip(prompts, outs, strict=True):
+            ref = recompute_logprobs(tiny_model, p + o.token_ids, temperature)[len(p) - 1 :]
+            assert (ref - torch.tensor(o.logprobs)).abs().max().item() < 1e-4
+
+
+def test_seeded_rows_do_not_depend_on_batch_company(engine, tokenizer):
+    prompts = prompts_of(tokenizer)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    alone = engine.generate_batch(prompts[:1], params, seeds=[42])
+    together = engine.generate_batch(prompts, params, seeds=[42, 7, 8])
+    again = engine.generate_batch(prompts[:1], params, seeds=[42])
+    other = engine.generate_batch(prompts[:1], params, seeds=[43])
+    assert alone[0].token_ids == together[0].token_ids == again[0].token_ids
+    assert other[0].token_ids != alone[0].token_ids
+
+
+def test_tiny_top_p_is_greedy(engine, tokenizer):
+    prompt = prompts_of(tokenizer)[1]
+    (greedy,) = gen(engine, [prompt], max_new_tokens=8, temperature=0.0)
+    (nucleus,) = gen(engine, [prompt], max_new_tokens=8, temperature=1.0, top_p=1e-6)
+    assert nucleus.token_ids == greedy.token_ids
+
+
+def test_stop_string_and_eos_end_a_row_early(engine, tokenizer):
+    prompt = prompts_of(tokenizer)[0]
+    (full,) = gen(engine, [prompt], max_new_tokens=10, temperature=0.0)
+    stop_text = tokenizer.decode(full.token_ids[:4])
+    (stopped,) = gen(engine, [prompt], max_new_tokens=10, temperature=0.0, stop=(stop_text,))
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == full.token_ids[: len(stopped.token_ids)]
+    assert stop_text in stopped.text and len(stopped.token_ids) <= 4
+
+    engine.eos_ids = {full.token_ids[2]}
+    (eos,) = gen(engine, [prompt], max_new_tokens=10, temperature=0.0)
+    assert eos.finish_reason == "eos"
+    first = full.token_ids.index(full.token_ids[2])
+    assert eos.token_ids == full.token_ids[: first + 1]  # the EOS id is kept (it was sampled)
+
+
+def test_context_budget_caps_new_tokens(engine, tokenizer):
+    prompt = prompts_of(tokenizer)[0]
+    engine.max_context = len(prompt) + 3
+    (out,) = gen(engine, [prompt], max_new_tokens=50, temperature=1.0)
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"
+
+
+async def test_concurrent_calls_are_batched_together(engine, tokenizer):
+    calls = []
+    original = engine.generate_batch
+    engine.generate_batch = lambda prompts, params, seeds: (
+        calls.append(len(prompts)) or original(prompts, params, seeds)
+    )
+    prompts = prompts_of(tokenizer)
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=3)
+    outs = await asyncio.gather(*(engine.generate([p], params) for p in prompts))
+    assert calls == [3]
+    assert all(len(o[0].token_ids) == 4 for o in outs)
+
+
+async def test_engine_failure_reaches_every_caller(engine):
+    with pytest.raises(ValueError, match="empty prompt"):
+        await engine.generate([[]], SamplingParams(max_new_tokens=2))
+
+
+def test_sampling_params_reject_bad_values():
+    for kw in ({"max_new_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}):
+        with pytest.raises(ValueError):
+            SamplingParams(**kw)

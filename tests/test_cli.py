@@ -1,0 +1,29 @@
+"""Bad input through the CLI: one line on stderr, exit code 2, no traceback."""
+
+import pytest
+
+from agent_r1.cli import main
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["eval", "model=/no/such/model"], "model not found: '/no/such/model'"),
+        (["eval", "data=/no/such/file.jsonl"], "cannot read data file /no/such/file.jsonl"),
+        (["eval", "temprature=0.5"], "did you mean 'temperature'?"),
+        (["eval", "num_tasks=0"], "num_tasks and group_size must be >= 1"),
+        (["eval", "/no/such/config.yaml"], "cannot read config file"),
+        (["eval", "temperature=-1", "model=/no/such/model"], "temperature must be >= 0"),
+    ],
+)
+def test_bad_input_gives_one_line(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bad_data_line(tmp_path, capsys):
+    data = tmp_path / "tasks.jsonl"
+    data.write_text('{"question": "q", "answer": 1}\n{"question": "no answer"}\n')
+    assert main(["eval", f"data={data}"]) == 2
+    assert "line 2 must be an object with keys question, answer" in capsys.readouterr().err
