@@ -11,8 +11,13 @@ import sys
 
 from agent_r1.config import ConfigError, describe, load_config
 from agent_r1.evaluate import EvalConfig, run_eval
+from agent_r1.trainer.config import TrainConfig
+from agent_r1.trainer.rl import train
 
-COMMANDS = {"eval": (EvalConfig, run_eval, "evaluate a model on a recipe's tasks with its tools")}
+COMMANDS = {
+    "train": (TrainConfig, train, "RL on a recipe (GRPO, PPO, REINFORCE++, RLOO, ...)"),
+    "eval": (EvalConfig, run_eval, "evaluate a model on a recipe's tasks with its tools"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:

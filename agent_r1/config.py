@@ -93,9 +93,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         return tuple(items) if origin is tuple else items
     if origin is typing.Literal:
         if value not in args:
-            raise ConfigError(
-                f"config key '{key}' must be one of {', '.join(map(repr, args))}, got {value!r}"
-            )
+            raise ConfigError(f"config key '{key}' must be one of {', '.join(map(repr, args))}, got {value!r}")
         return value
     if tp is Any:
         return value

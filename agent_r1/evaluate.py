@@ -65,9 +65,7 @@ class EvalConfig:
 
     @property
     def sampling(self) -> SamplingParams:
-        return SamplingParams(
-            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p
-        )
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
 
 
 def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str, float], list[Trajectory]]:

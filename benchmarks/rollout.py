@@ -101,9 +101,7 @@ def main() -> None:
     model, tokenizer = load_model(args.model)
     fmt = prompt_format_for(tokenizer, chat=is_chat_model(args.model, tokenizer))
     tasks = calculator.make_tasks(args.tasks, held_out=True)
-    print(
-        f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
-    )
+    print(f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}")
     print(f"model {args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, fp32")
     print(f"{args.tasks} calculator tasks, batch {args.tasks}, ≤{args.max_new_tokens} new tokens/turn, T=1")
     results = {}
@@ -112,10 +110,7 @@ def main() -> None:
         results[name] = max(runs, key=lambda r: r["tok/s"])
     print(f"{'':12} {'seconds':>8} {'tokens':>7} {'tok/s':>7} {'traj/s':>7} {'turns':>6}")
     for name, r in results.items():
-        print(
-            f"{name:12} {r['seconds']:8.1f} {r['tokens']:7d} {r['tok/s']:7.1f}"
-            f" {r['traj/s']:7.2f} {r['turns']:6.2f}"
-        )
+        print(f"{name:12} {r['seconds']:8.1f} {r['tokens']:7d} {r['tok/s']:7.1f} {r['traj/s']:7.2f} {r['turns']:6.2f}")
     ratio = results["agent_loop"]["tok/s"] / results["hf_generate"]["tok/s"]
     print(f"agent_loop / hf_generate tokens/s: {ratio:.2f}x")
 

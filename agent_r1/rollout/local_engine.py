@@ -160,9 +160,7 @@ class LocalEngine:
         for p, ids, lp, fin in zip(prompts, out_ids, out_lp, finish, strict=True):
             shown = ids[:-1] if fin == "eos" else ids  # the EOS token is sampled and trained, not shown
             text = self.tokenizer.decode(shown, skip_special_tokens=False)
-            outs.append(
-                GenerateOutput(token_ids=ids, logprobs=lp, text=text, finish_reason=fin, prompt_len=len(p))
-            )
+            outs.append(GenerateOutput(token_ids=ids, logprobs=lp, text=text, finish_reason=fin, prompt_len=len(p)))
         return outs
 
 

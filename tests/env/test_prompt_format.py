@@ -6,9 +6,7 @@ def test_chat_continuation_reproduces_the_template_text(tokenizer):
     system = [{"role": "system", "content": "sys"}, {"role": "user", "content": "What is 6*7?"}]
     tool_turn = [{"role": "user", "content": "<tool_response>\n42\n</tool_response>"}]
     response = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
-    incremental = (
-        fmt.initial(system) + tokenizer.encode(response) + fmt.continuation(tool_turn, after_eos=False)
-    )
+    incremental = fmt.initial(system) + tokenizer.encode(response) + fmt.continuation(tool_turn, after_eos=False)
     full = tokenizer.apply_chat_template(
         [*system, {"role": "assistant", "content": response}, *tool_turn],
         add_generation_prompt=True,

@@ -110,9 +110,7 @@ async def test_huge_output_is_truncated_and_counted(tokenizer):
 
 async def test_calls_run_concurrently_and_context_is_appended(tokenizer):
     text = (
-        call("sleepy", {"seconds": 0.1})
-        + call("sleepy", {"seconds": 0.1})
-        + call("calculator", {"expression": "3+4"})
+        call("sleepy", {"seconds": 0.1}) + call("sleepy", {"seconds": 0.1}) + call("calculator", {"expression": "3+4"})
     )
     start = time.perf_counter()
     _env, first, (obs, _, _done, info) = await one_step(tokenizer, text)
@@ -136,9 +134,7 @@ async def test_answer_ends_the_episode_with_the_outcome_reward(tokenizer):
 async def test_process_rewards_and_max_turns(tokenizer):
     env = ToolEnv(TOOLS, ChatFormat(tokenizer), max_turns=2)
     await env.reset({"question": "q"})
-    _, reward, done, _ = await env.step(
-        action(tokenizer, call("scored", {"x": 1}) + call("scored", {"x": 2}))
-    )
+    _, reward, done, _ = await env.step(action(tokenizer, call("scored", {"x": 1}) + call("scored", {"x": 2})))
     assert reward == 0.5 and not done
     _, reward, done, info = await env.step(action(tokenizer, call("scored", {"x": 3})))
     assert done and info["termination"] == Termination.MAX_TURNS
@@ -148,9 +144,7 @@ async def test_rewrite_replaces_the_context(tokenizer):
     def keep_last_exchange(messages):
         return [messages[0], messages[-1]]  # system + latest tool results only
 
-    _env, _first, (obs, _, _, _) = await one_step(
-        tokenizer, call("echo", {"text": "zz"}), rewrite=keep_last_exchange
-    )
+    _env, _first, (obs, _, _, _) = await one_step(tokenizer, call("echo", {"text": "zz"}), rewrite=keep_last_exchange)
     text = tokenizer.decode(obs.token_ids)
     assert "<tool_response>\nzz\n</tool_response>" in text and '"arguments": {"text": "zz"}' not in text
 

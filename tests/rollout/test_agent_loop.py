@@ -68,10 +68,7 @@ def test_multi_turn_rollout_is_token_exact(engine, tiny_model, tokenizer):
     assert all(t.termination == Termination.ANSWERED and len(t.steps) == 3 for t in trajs)
     rows = merge_trajectories(trajs)
     assert len(rows) == 6  # every trajectory merged into one row
-    assert all(
-        sum(r.loss_mask) == sum(len(s.response_ids) for s in t.steps)
-        for r, t in zip(rows, trajs, strict=True)
-    )
+    assert all(sum(r.loss_mask) == sum(len(s.response_ids) for s in t.steps) for r, t in zip(rows, trajs, strict=True))
     assert max_logprob_gap(tiny_model, rows) <= 1e-4
 
 
@@ -143,9 +140,7 @@ def test_loop_with_tool_env_and_echo_tool(tokenizer):
             "<answer>ping-42</answer>",
         ],
     )
-    loop = AgentEnvLoop(
-        engine, lambda: ToolEnv({"echo": echo}, ChatFormat(tokenizer), reward), SamplingParams()
-    )
+    loop = AgentEnvLoop(engine, lambda: ToolEnv({"echo": echo}, ChatFormat(tokenizer), reward), SamplingParams())
     (t,) = loop.run_sync([{"question": "echo ping-42"}])
     assert t.termination == Termination.ANSWERED and t.reward == 1.0
     assert t.metrics["tool_calls"] == 1 and t.metrics["turns"] == 2

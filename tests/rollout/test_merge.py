@@ -3,9 +3,7 @@ from agent_r1.types import Step, Trajectory
 
 
 def traj(*steps):
-    return Trajectory(
-        task={}, traj_id="t", group_id="g", steps=[Step(*s, index=i) for i, s in enumerate(steps)]
-    )
+    return Trajectory(task={}, traj_id="t", group_id="g", steps=[Step(*s, index=i) for i, s in enumerate(steps)])
 
 
 def test_append_only_steps_merge_into_one_row_with_exact_masks():

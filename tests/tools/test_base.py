@@ -134,9 +134,7 @@ async def test_json_string_arguments() -> None:
     assert (r.output, r.error, r.arguments) == ("5", None, {"expression": "2 + 3"})
 
 
-@pytest.mark.parametrize(
-    "arguments", ['{"expression": "2 + 3"', "not json", "", None, 42, ["2 + 3"], '"2+3"']
-)
+@pytest.mark.parametrize("arguments", ['{"expression": "2 + 3"', "not json", "", None, 42, ["2 + 3"], '"2+3"'])
 async def test_unparseable_arguments(arguments: object) -> None:
     r = await execute_tool_call(BUILTIN_TOOLS, "calculator", arguments)
     assert r.error == "invalid_arguments"
@@ -151,8 +149,7 @@ async def test_unparseable_arguments(arguments: object) -> None:
         ({}, "Error: invalid arguments for calculator: 'expression' is a required property"),
         (
             {"expression": "1", "mode": "x"},
-            "Error: invalid arguments for calculator: "
-            "Additional properties are not allowed ('mode' was unexpected)",
+            "Error: invalid arguments for calculator: Additional properties are not allowed ('mode' was unexpected)",
         ),
     ],
     ids=["wrong_type", "missing_required", "extra_argument"],
@@ -249,9 +246,7 @@ async def test_sync_tools_run_concurrently() -> None:
         return text
 
     start = time.perf_counter()
-    results = await asyncio.gather(
-        *(execute_tool_call({"nap": nap}, "nap", {"text": str(i)}) for i in range(8))
-    )
+    results = await asyncio.gather(*(execute_tool_call({"nap": nap}, "nap", {"text": str(i)}) for i in range(8)))
     assert time.perf_counter() - start < 1.0  # 8 x 0.2 s in sequence would take 1.6 s
     assert [r.output for r in results] == [str(i) for i in range(8)]
 

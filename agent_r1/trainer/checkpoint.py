@@ -1,0 +1,138 @@
+"""Atomic checkpoints with exact resume, and export of the policy to a Hugging Face directory.
+
+A checkpoint is written into a temporary directory and renamed into place only once complete, so
+a crash or kill mid-save leaves either the previous checkpoints or the new one, never half of one.
+`latest_checkpoint` only considers directories named `step_NNNNNN` that hold `meta.json` (the last
+file written), and the last `keep` of them survive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters that training changes: all of them, or only the LoRA adapters."""
+    return {n: p.detach().contiguous().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    modules: dict[str, torch.nn.Module],
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    extra: dict[str, Any],
+    keep: int = 2,
+) -> Path:
+    """Write checkpoint `step` atomically; prune all but the newest `keep`; return its path."""
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:06d}"
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-step_{step:06d}-"))
+    try:
+        for name, module in modules.items():
+            save_file(trainable_state(module), str(tmp / f"{name}.safetensors"))
+        torch.save(
+            {
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+                "python_rng": random.getstate(),
+            },
+            tmp / "trainer_state.pt",
+        )
+        (tmp / "meta.json").write_text(json.dumps({"step": step, **extra}, indent=1))  # written last
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving the same step (e.g. after a resume): replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for old in sorted(_complete(root))[:-keep] if keep > 0 else []:
+        shutil.rmtree(old[1], ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run, or None."""
+    found = _complete(Path(run_dir) / "checkpoints")
+    return max(found)[1] if found else None
+
+
+def load_checkpoint(
+    path: Path, modules: dict[str, torch.nn.Module], optimizer: torch.optim.Optimizer, scheduler: Any
+) -> dict[str, Any]:
+    """Restore modules, optimizer, scheduler and RNG states; return meta (step, data cursor, ...)."""
+    for name, module in modules.items():
+        state = load_file(str(path / f"{name}.safetensors"))
+        missing = set(state) - {n for n, _ in module.named_parameters()}
+        if missing:
+            raise ValueError(f"checkpoint {path} does not match the model: unknown tensors {sorted(missing)[:3]}")
+        params = dict(module.named_parameters())
+        with torch.no_grad():
+            for n, t in state.items():
+                params[n].copy_(t)
+    trainer_state = torch.load(path / "trainer_state.pt", weights_only=False)
+    optimizer.load_state_dict(trainer_state["optimizer"])
+    scheduler.load_state_dict(trainer_state["scheduler"])
+    torch.set_rng_state(trainer_state["torch_rng"])
+    random.setstate(trainer_state["python_rng"])
+    return json.loads((path / "meta.json").read_text())
+
+
+def _complete(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    out = []
+    for d in root.iterdir():
+        m = _STEP_DIR.match(d.name)
+        if m and (d / "meta.json").is_file():
+            out.append((int(m.group(1)), d))
+    return out
+
+
+def _fsync_dir(path: Path) -> None:
+    """Flush a directory's files and entry to disk, so a rename after it publishes complete data."""
+    for f in path.iterdir():
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def export_policy(model: torch.nn.Module, tokenizer: Any, out_dir: str | Path) -> Path:
+    """Save the policy as a plain Hugging Face directory (LoRA merged) that from_pretrained loads."""
+    import copy
+
+    out = Path(out_dir)
+    policy = copy.deepcopy(model)
+    if hasattr(policy, "merge_and_unload"):  # a peft model: fold the adapters into the weights
+        policy = policy.merge_and_unload()
+    tmp = Path(tempfile.mkdtemp(dir=out.parent if out.parent.exists() else None, prefix=".export-"))
+    try:
+        policy.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,165 @@
+"""The one typed config of `agent-r1 train` (YAML + key.sub=value overrides, see agent_r1.config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from agent_r1.rollout.engine import SamplingParams
+
+Estimator = Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"]
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    """train LoRA adapters (peft) instead of all weights; the reference policy is then free"""
+    r: int = 16
+    """adapter rank"""
+    alpha: int = 32
+    """adapter scaling numerator (scale = alpha / r)"""
+    dropout: float = 0.0
+    """dropout on the adapter input"""
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """module names that get adapters"""
+
+
+@dataclass
+class RolloutConfig:
+    tasks_per_step: int = 8
+    """tasks per RL step"""
+    group_size: int = 8
+    """samples per task (the GRPO / RLOO group)"""
+    max_turns: int = 3
+    """turn budget per episode"""
+    max_new_tokens: int = 96
+    """sampled tokens per turn"""
+    temperature: float = 1.0
+    """sampling temperature (the training log-probs use the same one)"""
+    top_p: float = 1.0
+    """nucleus sampling mass"""
+    max_batch_size: int = 64
+    """rows the engine decodes together"""
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
+
+
+@dataclass
+class AlgoConfig:
+    estimator: Estimator = "grpo"
+    """advantage estimator: grpo, drgrpo (no std), rloo, reinforce_pp, reinforce_pp_baseline, ppo (GAE + critic)"""
+    gae_level: Literal["step", "token"] = "step"
+    """PPO: one value per step (gamma/lambda across steps) or per token"""
+    gamma: float = 1.0
+    """discount across steps (tokens for token-level GAE)"""
+    lam: float = 0.95
+    """GAE lambda"""
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
+    """token-level PPO clip, or GSPO's sequence-level ratio"""
+    clip_low: float = 0.2
+    """ratio lower clip: 1 - clip_low"""
+    clip_high: float = 0.28
+    """ratio upper clip: 1 + clip_high (DAPO clip-higher; = clip_low for symmetric PPO)"""
+    dual_clip: float | None = None
+    """dual-clip constant c > 1 for negative advantages (None = off)"""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """how token losses become one number"""
+    epochs: int = 1
+    """passes over each rollout batch"""
+    mini_batches: int = 1
+    """optimizer steps per epoch"""
+    kl_coef: float = 0.0
+    """KL penalty coefficient (0 = off, no reference policy is built)"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator"""
+    kl_mode: Literal["loss", "reward"] = "loss"
+    """add the KL to the loss, or subtract it from each step's reward"""
+    entropy_coef: float = 0.0
+    """entropy bonus coefficient"""
+    zero_variance_groups: Literal["skip", "keep"] = "skip"
+    """groups whose rewards are all equal carry no GRPO signal: drop them from the update, or keep them"""
+    process_reward_norm: bool = False
+    """PRIME-style: divide process rewards by the batch max of |reverse cumulative sum|"""
+    process_reward_weight: float = 1.0
+    """weight of process (per-step / per-tool-call) rewards next to the outcome reward"""
+    critic: Literal["head", "separate"] = "head"
+    """PPO critic: a value head on the policy backbone, or a separate copy of the model"""
+    vf_coef: float = 0.5
+    """value loss coefficient"""
+    value_clip: float = 0.2
+    """value clipping range"""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    """peak learning rate"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    grad_clip: float = 1.0
+    """max global grad norm"""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """learning-rate schedule after warm-up"""
+    warmup_steps: int = 0
+    """optimizer steps of linear warm-up"""
+    micro_batch_tokens: int = 4096
+    """token budget of one packed micro-batch (gradient accumulation covers the rest)"""
+
+
+@dataclass
+class TrainConfig:
+    model: str = "default"
+    """"default", a bundled model name, a Hugging Face directory, or a checkpoint export"""
+    data: str | None = None
+    """jsonl of tasks (question/answer); None = the recipe's generated training split"""
+    ops: tuple[int, ...] = (1, 2)
+    """calculator recipe: operations per generated problem"""
+    few_shot: bool = True
+    """show one worked tool-use episode before the question"""
+    prompt_format: Literal["auto", "chat", "text"] = "auto"
+    """chat template or plain text; auto = chat when the model has a template"""
+    steps: int = 20
+    """RL steps (rollout + update)"""
+    seed: int = 0
+    """seed of sampling, data order and mini-batch shuffling"""
+    run_dir: str = "runs/calculator"
+    """where config, metrics, checkpoints and the exported policy go"""
+    save_every: int = 10
+    """checkpoint every N steps (and at the end)"""
+    keep_last: int = 2
+    """checkpoints to keep"""
+    resume: bool = True
+    """continue from the newest checkpoint in run_dir if there is one"""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters"""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """sampling and episode settings"""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """estimator, losses, KL"""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """optimizer and batching"""
+
+    def __post_init__(self) -> None:
+        a, r, o = self.algo, self.rollout, self.optim
+        checks = [
+            (o.lr > 0, f"optim.lr must be > 0, got {o.lr}"),
+            (self.steps >= 1, f"steps must be >= 1, got {self.steps}"),
+            (r.tasks_per_step >= 1, f"rollout.tasks_per_step must be >= 1, got {r.tasks_per_step}"),
+            (
+                r.group_size >= 2 or a.estimator not in ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline"),
+                f"algo.estimator={a.estimator} compares samples of a task: rollout.group_size must be >= 2",
+            ),
+            (a.dual_clip is None or a.dual_clip > 1, f"algo.dual_clip must be > 1, got {a.dual_clip}"),
+            (a.clip_low > 0 and a.clip_high > 0, "algo.clip_low and algo.clip_high must be > 0"),
+            (0 <= a.gamma <= 1 and 0 <= a.lam <= 1, "algo.gamma and algo.lam must be in [0, 1]"),
+            (a.epochs >= 1 and a.mini_batches >= 1, "algo.epochs and algo.mini_batches must be >= 1"),
+            (a.kl_coef >= 0, f"algo.kl_coef must be >= 0, got {a.kl_coef}"),
+            (o.micro_batch_tokens >= 64, f"optim.micro_batch_tokens must be >= 64, got {o.micro_batch_tokens}"),
+            (o.grad_clip > 0, f"optim.grad_clip must be > 0, got {o.grad_clip}"),
+            (self.save_every >= 1 and self.keep_last >= 1, "save_every and keep_last must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        r.sampling()  # validates temperature, top_p, max_new_tokens
