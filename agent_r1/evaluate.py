@@ -90,7 +90,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str,
         trajs = loop.run_sync(tasks, cfg.group_size)
     metrics = summarize(trajs)
     metrics["seconds"] = time.perf_counter() - start
-    metrics["accuracy"] = sum(t.reward >= 1.0 for t in trajs) / len(trajs)
+    metrics["accuracy"] = metrics.get("reward/correct", sum(t.reward >= 1.0 for t in trajs) / len(trajs))
 
     if cfg.out:
         write_trajectories(trajs, cfg.out)

@@ -27,3 +27,22 @@ def test_bad_data_line(tmp_path, capsys):
     data.write_text('{"question": "q", "answer": 1}\n{"question": "no answer"}\n')
     assert main(["eval", f"data={data}"]) == 2
     assert "line 2 must be an object with keys question, answer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["train", "optim.lr=-1"], "optim.lr must be > 0, got -1.0"),
+        (
+            ["train", "rollout.group_size=1"],
+            "algo.estimator=grpo compares samples of a task: rollout.group_size must be >= 2",
+        ),
+        (["train", "algo.estimator=a2c"], "config key 'algo.estimator' must be one of"),
+        (["train", "algo.dual_clip=0.5"], "algo.dual_clip must be > 1"),
+        (["train", "algo.estimatr=grpo"], "did you mean 'algo.estimator'?"),
+    ],
+)
+def test_bad_train_config_fails_at_start(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

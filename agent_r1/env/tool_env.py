@@ -26,7 +26,8 @@ from agent_r1.env.tool_calls import (
 from agent_r1.tools import Tool, execute_tool_call
 from agent_r1.types import Action, Message, Observation, Termination
 
-RewardFn = Callable[[dict[str, Any], str], float]  # (task, final answer text) -> outcome reward
+# (task, final response text) -> outcome reward, or (reward, {name: value}) to log its parts
+RewardFn = Callable[[dict[str, Any], str], float | tuple[float, dict[str, float]]]
 Rewrite = Callable[[list[Message]], list[Message]]  # full message history -> the next context
 
 
@@ -68,16 +69,16 @@ class ToolEnv:
         self.turn += 1
         self.messages.append({"role": "assistant", "content": action.text})
         parsed = parse_tool_calls(action.text)
-        answer = extract_answer(action.text)
+        answered = extract_answer(action.text) is not None
         info: dict[str, Any] = {
             "tool_calls": 0,
             "format_errors": 0,
             "tool_errors": {},
             "truncated_outputs": 0,
         }
-        if answer is not None or not parsed:
+        if answered or not parsed:
             info["termination"] = Termination.ANSWERED
-            return StepResult(None, self._outcome(answer, action.text), True, info)
+            return StepResult(None, self._outcome(action.text, info), True, info)
         if self.turn >= self.max_turns:
             info["termination"] = Termination.MAX_TURNS
             return StepResult(None, 0.0, True, info)
@@ -122,10 +123,13 @@ class ToolEnv:
         ]
         return outputs, [r.reward for r in results if r.reward is not None], errors
 
-    def _outcome(self, answer: str | None, text: str) -> float | None:
-        """Outcome reward of the final answer (the `<answer>` content, else the whole response)."""
+    def _outcome(self, text: str, info: dict[str, Any]) -> float | None:
+        """Outcome reward of the final response (cut at a format stop string such as "\nUser:")."""
         if self.reward_fn is None:
             return None
         for stop in self.format.stop:  # a base model that started writing the next turn
             text = text.split(stop)[0]
-        return float(self.reward_fn(self.task, answer if answer is not None else text))
+        result = self.reward_fn(self.task, text)
+        value, parts = result if isinstance(result, tuple) else (result, {})
+        info["reward_parts"] = dict(parts)
+        return float(value)

@@ -8,13 +8,15 @@ held out exactly when a stable hash of its text falls in a fixed 10% bucket, wha
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 from typing import Any
 
 from agent_r1.env.prompt_format import PromptFormat
+from agent_r1.env.tool_calls import extract_answer
 from agent_r1.env.tool_env import ToolEnv
-from agent_r1.rewards import numeric_match
+from agent_r1.rewards import answer_format, numeric_match
 from agent_r1.tools import calculator
 from agent_r1.types import Message
 
@@ -88,17 +90,23 @@ def make_tasks(n: int, seed: int = 0, ops: tuple[int, ...] = (1, 2), held_out: b
     return tasks
 
 
-def reward(task: dict[str, Any], answer: str) -> float:
-    """Exact numeric match of the final answer."""
-    return numeric_match(answer, task["answer"])
+def reward(task: dict[str, Any], text: str, format_weight: float = 0.0) -> tuple[float, dict[str, float]]:
+    """Exact numeric match of the final answer (the `<answer>` content, else the last number),
+    plus `format_weight` x the answer-format check."""
+    answer = extract_answer(text)
+    correct = numeric_match(answer if answer is not None else text, task["answer"])
+    fmt = answer_format(text)
+    return correct + format_weight * fmt, {"correct": correct, "format": fmt}
 
 
-def make_env(prompt_format: PromptFormat, max_turns: int = 4, few_shot: bool = True) -> ToolEnv:
+def make_env(
+    prompt_format: PromptFormat, max_turns: int = 4, few_shot: bool = True, format_weight: float = 0.0
+) -> ToolEnv:
     """A ToolEnv with the calculator, this recipe's instructions and reward."""
     return ToolEnv(
         {"calculator": calculator},
         prompt_format,
-        reward,
+        functools.partial(reward, format_weight=format_weight),
         instructions=INSTRUCTIONS,
         examples=EXAMPLE if few_shot else None,
         max_turns=max_turns,

@@ -96,7 +96,8 @@ class AgentEnvLoop:
 def trajectory_metrics(traj: Trajectory) -> dict[str, float]:
     """Per-trajectory counts the trainer and eval aggregate."""
     infos = [s.info for s in traj.steps]
-    return {
+    parts = {f"reward/{k}": float(v) for i in infos for k, v in i.get("reward_parts", {}).items()}
+    return parts | {
         "reward": traj.reward,
         "turns": float(len(traj.steps)),
         "tool_calls": float(sum(i.get("tool_calls", 0) for i in infos)),
@@ -110,7 +111,7 @@ def summarize(trajs: list[Trajectory]) -> dict[str, float]:
     """Batch means of the per-trajectory metrics, plus the share of each termination reason."""
     if not trajs:
         return {}
-    keys = trajs[0].metrics.keys()
+    keys = dict.fromkeys(k for t in trajs for k in t.metrics)
     out = {k: sum(t.metrics.get(k, 0.0) for t in trajs) / len(trajs) for k in keys}
     for reason in Termination:
         out[f"termination/{reason.value}"] = sum(t.termination == reason for t in trajs) / len(trajs)

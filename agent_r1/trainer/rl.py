@@ -335,9 +335,9 @@ def _update(policy, critic, ref, rows, optimizer, scheduler, params, cfg: TrainC
                     dual_clip=a.dual_clip, agg=a.loss_agg, n_tokens=n_tokens, n_seqs=n_seqs, norm_len=norm_len,
                 )  # fmt: skip
                 if ref is not None and a.kl_mode == "loss" and a.kl_coef > 0:
-                    kl = aggregate(kl_penalty(logp, mb.ref_logp, a.kl_estimator), mb.mask, mb.seg, **agg)
-                    loss = loss + a.kl_coef * kl
-                    m["kl"] = float(kl) * len(batch)  # undo the mini-batch normalisation for the metric
+                    kl_tok = kl_penalty(logp, mb.ref_logp, a.kl_estimator)  # [L]
+                    loss = loss + a.kl_coef * aggregate(kl_tok, mb.mask, mb.seg, **agg)
+                    m["kl"] = float((kl_tok.detach() * mb.mask).sum() / mb.mask.sum().clamp(min=1))
                 if a.entropy_coef > 0:
                     loss = loss - a.entropy_coef * aggregate(entropy, mb.mask, mb.seg, **agg)
                 if critic is not None:
@@ -504,10 +504,11 @@ def _rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
     m = summarize(trajs)
     rewards = torch.tensor([t.reward for t in trajs])
     outcome = [t.rewards[-1] if t.steps else 0.0 for t in trajs]
+    accuracy = m.get("reward/correct", sum(o >= 1.0 for o in outcome) / max(1, len(trajs)))
     return m | {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()) if len(trajs) > 1 else 0.0,
-        "accuracy": sum(o >= 1.0 for o in outcome) / max(1, len(trajs)),
+        "accuracy": accuracy,
     }
 
 

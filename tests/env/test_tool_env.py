@@ -6,6 +6,7 @@ import time
 import pytest
 
 from agent_r1.env.prompt_format import ChatFormat
+from agent_r1.env.tool_calls import extract_answer
 from agent_r1.env.tool_env import ToolEnv
 from agent_r1.tools import ToolResult, calculator, echo, tool
 from agent_r1.types import Action, Termination
@@ -67,7 +68,7 @@ def call(name, args):
 
 
 async def one_step(tokenizer, text, **kw):
-    env = ToolEnv(TOOLS, ChatFormat(tokenizer), lambda task, answer: float(answer == "7"), **kw)
+    env = ToolEnv(TOOLS, ChatFormat(tokenizer), lambda task, text: float(extract_answer(text) == "7"), **kw)
     first = await env.reset({"question": "q"})
     result = await env.step(action(tokenizer, text))
     return env, first, result

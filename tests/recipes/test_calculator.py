@@ -17,11 +17,12 @@ def test_held_out_split_is_disjoint_from_training():
     assert not train & held_out
 
 
-def test_reward_is_exact_numeric_match():
+def test_reward_is_exact_numeric_match_plus_optional_format():
     task = {"answer": 1234}
-    assert recipe.reward(task, "so 1,234") == 1.0
-    assert recipe.reward(task, "1233") == 0.0
-    assert recipe.reward(task, "none") == 0.0
+    assert recipe.reward(task, "so 1,234") == (1.0, {"correct": 1.0, "format": 0.0})
+    assert recipe.reward(task, "<answer>1234</answer> not 5") == (1.0, {"correct": 1.0, "format": 1.0})
+    assert recipe.reward(task, "<answer>1233</answer>", format_weight=0.1) == (0.1, {"correct": 0.0, "format": 1.0})
+    assert recipe.reward(task, "none")[0] == 0.0
 
 
 def test_split_membership_follows_the_bucket():

@@ -130,8 +130,8 @@ def test_loop_with_tool_env_and_echo_tool(tokenizer):
     from agent_r1.env.tool_env import ToolEnv
     from agent_r1.tools import echo
 
-    def reward(task, answer):  # 1 only if the echo tool really ran and its output was used
-        return float(answer == "ping-42")
+    def reward(task, text):  # 1 only if the echo tool really ran and its output was used
+        return float(text == "<answer>ping-42</answer>")
 
     engine = ScriptedEngine(
         tokenizer,

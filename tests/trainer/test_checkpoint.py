@@ -1,0 +1,53 @@
+"""A crash mid-save never leaves a checkpoint that resume would load."""
+
+import pytest
+import torch
+
+from agent_r1.trainer import checkpoint as ck
+
+
+def parts():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+    return model, opt, sched
+
+
+def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    model, opt, sched = parts()
+    ck.save_checkpoint(tmp_path, 1, {"policy": model}, opt, sched, {"cursor": 4})
+    with torch.no_grad():
+        model.weight.add_(1.0)
+
+    def die(*args, **kwargs):
+        raise KeyboardInterrupt  # as if killed while writing the trainer state
+
+    monkeypatch.setattr(ck.torch, "save", die)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_checkpoint(tmp_path, 2, {"policy": model}, opt, sched, {"cursor": 8})
+    assert ck.latest_checkpoint(tmp_path).name == "step_000001"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001"]
+
+
+def test_half_written_directories_are_ignored(tmp_path):
+    model, opt, sched = parts()
+    ck.save_checkpoint(tmp_path, 3, {"policy": model}, opt, sched, {"cursor": 0})
+    (tmp_path / "checkpoints" / ".tmp-step_000004-abc").mkdir()  # a kill -9 leftover
+    (tmp_path / "checkpoints" / "step_000005").mkdir()  # no meta.json: incomplete
+    assert ck.latest_checkpoint(tmp_path).name == "step_000003"
+
+
+def test_round_trip_restores_weights_optimizer_and_rng(tmp_path):
+    model, opt, sched = parts()
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    torch.manual_seed(123)
+    path = ck.save_checkpoint(tmp_path, 7, {"policy": model}, opt, sched, {"cursor": 21})
+    expected_draw = torch.rand(3)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    other, opt2, sched2 = parts()
+    meta = ck.load_checkpoint(path, {"policy": other}, opt2, sched2)
+    assert meta["step"] == 7 and meta["cursor"] == 21
+    assert all(torch.equal(saved[k], v) for k, v in other.state_dict().items())
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(torch.rand(3), expected_draw)
