@@ -42,12 +42,14 @@ class LocalEngine:
         max_context: int | None = None,
         seed: int = 0,
         batch_wait_s: float = 0.002,
+        min_shared_prefix: int = 16,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.max_context = max_context or int(getattr(model.config, "max_position_embeddings", 2048))
         self.batch_wait_s = batch_wait_s
+        self.min_shared_prefix = min_shared_prefix  # shorter common prefixes are not worth a separate pass
         self.eos_ids = _eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
         self._seeds = random.Random(seed)
@@ -94,17 +96,10 @@ class LocalEngine:
     ) -> list[GenerateOutput]:
         """Synchronously sample one response per prompt (the decode loop; shapes in comments)."""
         B = len(prompts)
-        lens = torch.tensor([len(p) for p in prompts])  # [B]
-        budget = [min(params.max_new_tokens, self.max_context - n) for n in lens.tolist()]
         if min(len(p) for p in prompts) == 0:
             raise ValueError("cannot generate from an empty prompt")
-        P = int(lens.max())
-        input_ids = torch.full((B, P), self.pad_id, dtype=torch.long)  # [B, P] left-padded
-        attn = torch.zeros((B, P), dtype=torch.long)  # [B, P]
-        for i, p in enumerate(prompts):
-            input_ids[i, P - len(p) :] = torch.tensor(p)
-            attn[i, P - len(p) :] = 1
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, P] pads do not shift positions
+        lens = torch.tensor([len(p) for p in prompts])  # [B]
+        budget = [min(params.max_new_tokens, self.max_context - n) for n in lens.tolist()]
         gens = [torch.Generator().manual_seed(s) for s in seeds]
         out_ids: list[list[int]] = [[] for _ in range(B)]
         out_lp: list[list[float]] = [[] for _ in range(B)]
@@ -112,17 +107,27 @@ class LocalEngine:
         rows = [i for i in range(B) if budget[i] > 0]  # request index of each live batch row
         if not rows:
             return self._outputs(prompts, out_ids, out_lp, finish)
-        keep = torch.tensor(rows)
+        live = [prompts[i] for i in rows]
         cache = DynamicCache()
+        shared = self._prefill_shared_prefix(live, cache)  # C tokens every row starts with, cached once
+        b, C = len(live), shared
+        S = max(len(p) for p in live) - C
+        suffix = torch.full((b, S), self.pad_id, dtype=torch.long)  # [b, S] left-padded after the prefix
+        attn = torch.zeros((b, C + S), dtype=torch.long)  # [b, C+S]
+        attn[:, :C] = 1
+        for j, p in enumerate(live):
+            suffix[j, S - (len(p) - C) :] = torch.tensor(p[C:])
+            attn[j, C + S - (len(p) - C) :] = 1
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)[:, C:]  # [b, S] pads do not shift positions
         logits = self.model(
-            input_ids=input_ids[keep],
-            attention_mask=attn[keep],
-            position_ids=positions[keep],
+            input_ids=suffix,
+            attention_mask=attn,
+            position_ids=positions,
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1, :]  # [b, V]
-        attn, next_pos = attn[keep], lens[keep]  # [b, P], [b]
+        next_pos = lens[torch.tensor(rows)]  # [b]
         window = max((len(s) for s in params.stop), default=0) + 2
         while True:
             tokens, logprobs = _sample(logits.float(), params, [gens[i] for i in rows])  # [b], [b]
@@ -154,6 +159,30 @@ class LocalEngine:
             ).logits[:, -1, :]
             next_pos = next_pos + 1
         return self._outputs(prompts, out_ids, out_lp, finish)
+
+    def _prefill_shared_prefix(self, prompts: list[list[int]], cache: DynamicCache) -> int:
+        """Run the longest prefix all prompts share once and copy its KV cache to every row.
+
+        Agent prompts repeat a long system prompt, tool schemas and few-shot examples, and a GRPO group
+        repeats the whole task, so this removes most of the prefill (like vLLM's prefix caching, but
+        only within one batch). Each row keeps at least one token of its own to produce its logits.
+        Returns the prefix length C (0 when sharing does not pay).
+        """
+        C = min(len(p) for p in prompts) - 1
+        first = prompts[0]
+        for p in prompts[1:]:
+            C = next((k for k in range(C) if p[k] != first[k]), C)
+        if len(prompts) < 2 or C < self.min_shared_prefix:
+            return 0
+        self.model(
+            input_ids=torch.tensor([first[:C]]),
+            position_ids=torch.arange(C)[None],
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache.batch_repeat_interleave(len(prompts))
+        return C
 
     def _outputs(self, prompts, out_ids, out_lp, finish) -> list[GenerateOutput]:
         outs = []

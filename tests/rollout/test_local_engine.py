@@ -109,3 +109,21 @@ def test_sampling_params_reject_bad_values():
     for kw in ({"max_new_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}):
         with pytest.raises(ValueError):
             SamplingParams(**kw)
+
+
+def test_shared_prefix_is_prefilled_once_and_changes_nothing(engine, tiny_model, tokenizer):
+    system = tokenizer.encode("You are a careful assistant. Use the calculator tool for every computation. " * 2)
+    prompts = [system + tokenizer.encode(q) for q in ("What is 12 * 34?", "Hi", "Add 5 and 7, then double it")]
+    calls = []
+    hook = tiny_model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape), with_kwargs=True)
+    try:
+        batched = gen(engine, prompts, max_new_tokens=8, temperature=1.0)
+    finally:
+        hook.remove()
+    assert calls[0] == (1, len(system)) and calls[1][0] == 3  # the prefix ran once, then only the suffixes
+    for p, out in zip(prompts, batched, strict=True):
+        ref = recompute_logprobs(tiny_model, p + out.token_ids)[len(p) - 1 :]
+        assert (ref - torch.tensor(out.logprobs)).abs().max().item() < 1e-4
+    greedy = gen(engine, prompts, max_new_tokens=8, temperature=0.0)
+    for p, out in zip(prompts, greedy, strict=True):
+        assert out.token_ids == gen(engine, [p], max_new_tokens=8, temperature=0.0)[0].token_ids
