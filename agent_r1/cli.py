@@ -13,9 +13,11 @@ from agent_r1.config import ConfigError, describe, load_config
 from agent_r1.evaluate import EvalConfig, run_eval
 from agent_r1.trainer.config import TrainConfig
 from agent_r1.trainer.rl import train
+from agent_r1.trainer.sft import SFTConfig, sft
 
 COMMANDS = {
     "train": (TrainConfig, train, "RL on a recipe (GRPO, PPO, REINFORCE++, RLOO, ...)"),
+    "sft": (SFTConfig, sft, "cold-start SFT on multi-turn tool-use demonstrations"),
     "eval": (EvalConfig, run_eval, "evaluate a model on a recipe's tasks with its tools"),
 }
 

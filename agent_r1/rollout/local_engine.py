@@ -172,7 +172,7 @@ class LocalEngine:
         first = prompts[0]
         for p in prompts[1:]:
             C = next((k for k in range(C) if p[k] != first[k]), C)
-        if len(prompts) < 2 or C < self.min_shared_prefix:
+        if len(prompts) < 2 or self.min_shared_prefix > C:
             return 0
         self.model(
             input_ids=torch.tensor([first[:C]]),

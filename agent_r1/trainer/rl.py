@@ -28,7 +28,6 @@ from typing import Any
 import torch
 import yaml
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from agent_r1.algos import advantages as adv_fns
 from agent_r1.algos.losses import aggregate, gspo_policy_loss, kl_penalty, ppo_policy_loss, value_loss
@@ -37,12 +36,14 @@ from agent_r1.data import load_tasks
 from agent_r1.env.base import Env
 from agent_r1.env.prompt_format import prompt_format_for
 from agent_r1.models.loading import is_chat_model, load_model
+from agent_r1.models.lora import with_lora
 from agent_r1.recipes import calculator
 from agent_r1.rollout.agent_loop import AgentEnvLoop, summarize
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.merge import merge_trajectory
 from agent_r1.trainer.batching import MicroBatch, Row, pack, token_logprobs
 from agent_r1.trainer.checkpoint import export_policy, latest_checkpoint, load_checkpoint, save_checkpoint
+from agent_r1.trainer.common import lr_schedule, progress_bar
 from agent_r1.trainer.config import TrainConfig
 from agent_r1.types import Trajectory
 from agent_r1.utils.jsonl import append_jsonl
@@ -70,14 +71,17 @@ def train(
     # --- model, reference, critic, optimizer -------------------------------------------------------
     if model is None:
         model, tokenizer = load_model(cfg.model)
-    policy = _with_lora(model, cfg) if cfg.lora.enabled else model
+    policy = with_lora(model, cfg.lora) if cfg.lora.enabled else model
     ref = _reference(policy, cfg)
     critic = Critic(policy, cfg.algo.critic) if cfg.algo.estimator == "ppo" else None
     modules: dict[str, torch.nn.Module] = {"policy": policy} | ({"critic": critic} if critic else {})
     params = [p for m in modules.values() for p in m.parameters() if p.requires_grad]
     params = list({id(p): p for p in params}.values())  # the head critic shares the policy backbone
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+    total_updates = cfg.steps * cfg.algo.epochs * cfg.algo.mini_batches
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_schedule(total_updates, cfg.optim.warmup_steps, cfg.optim.schedule)
+    )
 
     # --- tasks and environment ---------------------------------------------------------------------
     chat = is_chat_model(cfg.model, tokenizer) if cfg.prompt_format == "auto" else cfg.prompt_format == "chat"
@@ -95,7 +99,7 @@ def train(
         console.print(f"resumed from {ckpt} (step {start})")
 
     history = []
-    with _progress(console) as bar:
+    with progress_bar(console) as bar:
         task_bar = bar.add_task("RL steps", total=cfg.steps, completed=start)
         for step in range(start, cfg.steps):
             t0 = time.perf_counter()
@@ -379,17 +383,6 @@ def _value_mask(mb: MicroBatch, level: str) -> torch.Tensor:
 # --- reference policy and critic ---------------------------------------------------------------------
 
 
-def _with_lora(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
-
-    lc = cfg.lora
-    config = PeftLoraConfig(
-        r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=list(lc.target_modules)
-    )
-    return get_peft_model(model, config)
-
-
 def _reference(policy: torch.nn.Module, cfg: TrainConfig) -> Callable | None:
     """A context manager factory yielding the reference policy, or None when KL is off.
 
@@ -483,23 +476,6 @@ class TaskSampler:
         return out
 
 
-def _lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
-    total = cfg.steps * cfg.algo.epochs * cfg.algo.mini_batches
-    warm, kind = cfg.optim.warmup_steps, cfg.optim.schedule
-
-    def factor(i: int) -> float:
-        if i < warm:
-            return (i + 1) / warm
-        frac = min(1.0, (i - warm) / max(1, total - warm))
-        if kind == "linear":
-            return 1.0 - frac
-        if kind == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * frac))
-        return 1.0
-
-    return factor
-
-
 def _rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
     m = summarize(trajs)
     rewards = torch.tensor([t.reward for t in trajs])
@@ -514,9 +490,3 @@ def _rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
 
 def _describe(m: dict[str, float]) -> str:
     return f"RL step {m['step']}: reward {m['reward_mean']:.2f} acc {m['accuracy']:.0%} ({m['time/step']:.0f}s)"
-
-
-def _progress(console: Console) -> Progress:
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=console
-    )
