@@ -11,11 +11,13 @@ import sys
 
 from agent_r1.config import ConfigError, describe, load_config
 from agent_r1.evaluate import EvalConfig, run_eval
+from agent_r1.pipeline import DemoConfig, run_demo
 from agent_r1.trainer.config import TrainConfig
 from agent_r1.trainer.rl import train
 from agent_r1.trainer.sft import SFTConfig, sft
 
 COMMANDS = {
+    "demo": (DemoConfig, run_demo, "the main job: eval -> SFT cold start -> RL -> eval, with a results table"),
     "train": (TrainConfig, train, "RL on a recipe (GRPO, PPO, REINFORCE++, RLOO, ...)"),
     "sft": (SFTConfig, sft, "cold-start SFT on multi-turn tool-use demonstrations"),
     "eval": (EvalConfig, run_eval, "evaluate a model on a recipe's tasks with its tools"),

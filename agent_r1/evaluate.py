@@ -18,7 +18,7 @@ from rich.table import Table
 from agent_r1.data import load_tasks
 from agent_r1.env.prompt_format import prompt_format_for
 from agent_r1.models.loading import is_chat_model, load_model
-from agent_r1.recipes import calculator
+from agent_r1.recipes import Recipe, tasks_and_env
 from agent_r1.rollout.agent_loop import AgentEnvLoop, summarize
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
@@ -29,6 +29,8 @@ from agent_r1.types import Trajectory
 class EvalConfig:
     model: str = "default"
     """"default", a bundled model (smollm2-135m-instruct, gemma3-270m) or a Hugging Face directory"""
+    recipe: Recipe = "calculator"
+    """task, tools and reward: calculator (synthetic word problems) or gsm8k"""
     data: str | None = None
     """jsonl of tasks with question/answer; None = the recipe's generated held-out split"""
     num_tasks: int = 32
@@ -70,20 +72,17 @@ class EvalConfig:
 
 def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str, float], list[Trajectory]]:
     console = console or Console()
-    tasks = (
-        load_tasks(cfg.data)[: cfg.num_tasks]
-        if cfg.data
-        else calculator.make_tasks(cfg.num_tasks, ops=cfg.ops, held_out=True)
-    )
+    if cfg.data:
+        load_tasks(cfg.data)  # a bad data file fails before the model loads
     model, tokenizer = load_model(cfg.model)
-    chat = None if cfg.prompt_format == "auto" else cfg.prompt_format == "chat"
-    if chat is None:
-        chat = is_chat_model(cfg.model, tokenizer)
+    chat = is_chat_model(cfg.model, tokenizer) if cfg.prompt_format == "auto" else cfg.prompt_format == "chat"
     fmt = prompt_format_for(tokenizer, chat=chat)
+    tasks, make_env = tasks_and_env(
+        cfg.recipe, fmt, held_out=True, n=cfg.num_tasks, ops=cfg.ops, data=cfg.data,
+        max_turns=cfg.max_turns, few_shot=cfg.few_shot,
+    )  # fmt: skip
     engine = LocalEngine(model, tokenizer, max_batch_size=cfg.max_batch_size, seed=cfg.seed)
-    loop = AgentEnvLoop(
-        engine, lambda: calculator.make_env(fmt, cfg.max_turns, cfg.few_shot), cfg.sampling, seed=cfg.seed
-    )
+    loop = AgentEnvLoop(engine, make_env, cfg.sampling, seed=cfg.seed)
 
     start = time.perf_counter()
     with console.status(f"rolling out {len(tasks)} tasks × {cfg.group_size} on {cfg.model}"):

@@ -111,12 +111,16 @@ class OptimConfig:
 class TrainConfig:
     model: str = "default"
     """"default", a bundled model name, a Hugging Face directory, or a checkpoint export"""
+    recipe: Literal["calculator", "gsm8k"] = "calculator"
+    """task, tools and reward: calculator (synthetic word problems) or gsm8k"""
     data: str | None = None
     """jsonl of tasks (question/answer); None = the recipe's generated training split"""
     ops: tuple[int, ...] = (1, 2)
     """calculator recipe: operations per generated problem"""
     few_shot: bool = True
     """show one worked tool-use episode before the question"""
+    format_weight: float = 0.0
+    """weight of the answer-format check added to the outcome reward"""
     prompt_format: Literal["auto", "chat", "text"] = "auto"
     """chat template or plain text; auto = chat when the model has a template"""
     steps: int = 20

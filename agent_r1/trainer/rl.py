@@ -32,12 +32,11 @@ from rich.console import Console
 from agent_r1.algos import advantages as adv_fns
 from agent_r1.algos.losses import aggregate, gspo_policy_loss, kl_penalty, ppo_policy_loss, value_loss
 from agent_r1.config import to_dict
-from agent_r1.data import load_tasks
 from agent_r1.env.base import Env
 from agent_r1.env.prompt_format import prompt_format_for
 from agent_r1.models.loading import is_chat_model, load_model
 from agent_r1.models.lora import with_lora
-from agent_r1.recipes import calculator
+from agent_r1.recipes import tasks_and_env
 from agent_r1.rollout.agent_loop import AgentEnvLoop, summarize
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.merge import merge_trajectory
@@ -86,9 +85,12 @@ def train(
     # --- tasks and environment ---------------------------------------------------------------------
     chat = is_chat_model(cfg.model, tokenizer) if cfg.prompt_format == "auto" else cfg.prompt_format == "chat"
     fmt = prompt_format_for(tokenizer, chat=chat)
-    make_env = make_env or (lambda: calculator.make_env(fmt, cfg.rollout.max_turns, cfg.few_shot))
-    if tasks is None:
-        tasks = load_tasks(cfg.data) if cfg.data else calculator.make_tasks(2048, seed=cfg.seed, ops=cfg.ops)
+    recipe_tasks, recipe_env = tasks_and_env(
+        cfg.recipe, fmt, held_out=False, n=4096, seed=cfg.seed, ops=cfg.ops, data=cfg.data,
+        max_turns=cfg.rollout.max_turns, few_shot=cfg.few_shot, format_weight=cfg.format_weight,
+    )  # fmt: skip
+    tasks = tasks if tasks is not None else recipe_tasks
+    make_env = make_env or recipe_env
     sampler = TaskSampler(tasks, cfg.seed)
     engine = LocalEngine(policy, tokenizer, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.seed)
 

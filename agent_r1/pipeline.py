@@ -1,0 +1,110 @@
+"""`agent-r1 demo`: the main job. Untrained eval -> SFT cold start -> RL -> eval, on one held-out set.
+
+Every phase is an ordinary entry point (eval, sft, train) with its own config section. The same
+held-out tasks and the same decoding are used before and after, so the table compares like with like.
+The run directory ends up holding sft/, rl/ (with the trained checkpoint and policy/), the three eval
+trajectory files, curves.png and results.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from agent_r1.evaluate import EvalConfig, run_eval
+from agent_r1.trainer.config import TrainConfig
+from agent_r1.trainer.rl import train
+from agent_r1.trainer.sft import SFTConfig, sft
+
+
+@dataclass
+class DemoConfig:
+    run_dir: str = "runs/demo"
+    """root of the whole pipeline's outputs"""
+    model: str = "default"
+    """the starting model (bundled name or Hugging Face directory)"""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """cold-start SFT (model and run_dir are set by the pipeline)"""
+    rl: TrainConfig = field(default_factory=TrainConfig)
+    """RL from the SFT policy (model and run_dir are set by the pipeline)"""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """held-out evaluation used before SFT, after SFT and after RL (model and out are set)"""
+
+
+def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, dict[str, float]]:
+    console = console or Console()
+    root = Path(cfg.run_dir)
+    if root.exists() and any(root.iterdir()):  # keep an earlier demo run instead of overwriting it
+        kept = root.with_name(f"{root.name}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(root.stat().st_mtime))}")
+        root.rename(kept)
+        console.print(f"kept the previous run as {kept}")
+    root.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, float]] = {}
+    timings: dict[str, float] = {}
+
+    def evaluate(name: str, model: str) -> None:
+        t0 = time.perf_counter()
+        ecfg = dataclasses.replace(cfg.eval, model=model, out=str(root / f"eval_{name}.jsonl"))
+        results[name], _ = run_eval(ecfg, console)
+        timings[f"eval_{name}"] = time.perf_counter() - t0
+
+    console.rule("1/4 untrained model")
+    evaluate("untrained", cfg.model)
+
+    console.rule("2/4 SFT cold start")
+    t0 = time.perf_counter()
+    sft(dataclasses.replace(cfg.sft, model=cfg.model, run_dir=str(root / "sft")), console=console)
+    timings["sft"] = time.perf_counter() - t0
+    evaluate("sft", str(root / "sft" / "policy"))
+
+    console.rule("3/4 RL")
+    t0 = time.perf_counter()
+    history = train(
+        dataclasses.replace(cfg.rl, model=str(root / "sft" / "policy"), run_dir=str(root / "rl")), console=console
+    )
+    timings["rl"] = time.perf_counter() - t0
+
+    console.rule("4/4 trained model")
+    evaluate("rl", str(root / "rl" / "policy"))
+
+    plot_curves(history, root / "curves.png")
+    (root / "results.json").write_text(json.dumps({"results": results, "seconds": timings}, indent=1))
+    console.print(results_table(results))
+    console.print(f"curves: {root / 'curves.png'}   trained policy: {root / 'rl' / 'policy'}")
+    return results
+
+
+def results_table(results: dict[str, dict[str, float]]) -> Table:
+    table = Table(title="held-out accuracy: before / after SFT / after RL")
+    for col in ("model", "accuracy", "tool calls / episode", "format errors / episode", "turns"):
+        table.add_column(col, justify="right")
+    for name, m in results.items():
+        table.add_row(
+            name, f"{m['accuracy']:.1%}", f"{m['tool_calls']:.2f}", f"{m['format_errors']:.2f}", f"{m['turns']:.2f}"
+        )
+    return table
+
+
+def plot_curves(history: list[dict[str, float]], path: Path) -> None:
+    """Reward and accuracy per RL step (training batches, sampled at the RL temperature)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    for ax, key, title in ((axes[0], "reward_mean", "reward"), (axes[1], "accuracy", "accuracy")):
+        ax.plot(steps, [h[key] for h in history], marker="o")
+        ax.set_xlabel("RL step")
+        ax.set_title(f"training {title}")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
