@@ -69,7 +69,8 @@ class ToolEnv:
         self.turn += 1
         self.messages.append({"role": "assistant", "content": action.text})
         parsed = parse_tool_calls(action.text)
-        answered = extract_answer(action.text) is not None
+        # an answer tag, or a base model starting the next user turn ("\nUser:"), ends the episode
+        answered = extract_answer(action.text) is not None or any(action.text.endswith(s) for s in self.format.stop)
         info: dict[str, Any] = {
             "tool_calls": 0,
             "format_errors": 0,

@@ -166,3 +166,13 @@ async def test_hung_tool_does_not_block_the_event_loop(tokenizer):
 
     await asyncio.gather(one_step(tokenizer, call("sleepy", {"seconds": 0.5})), ticker())
     assert ticks == 10
+
+
+async def test_base_model_writing_the_next_user_turn_ends_the_episode(tokenizer):
+    from agent_r1.env.prompt_format import TextFormat
+
+    env = ToolEnv(TOOLS, TextFormat(tokenizer), lambda task, text: float(text.strip() == "<tool_call>{bad"))
+    await env.reset({"question": "q"})
+    _, reward, done, info = await env.step(action(tokenizer, "<tool_call>{bad\nUser:"))
+    assert done and info["termination"] == Termination.ANSWERED
+    assert reward == 1.0  # the reward sees the response without the stop string
