@@ -103,7 +103,7 @@ class OptimConfig:
     """learning-rate schedule after warm-up"""
     warmup_steps: int = 0
     """optimizer steps of linear warm-up"""
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = 1024
     """token budget of one packed micro-batch (gradient accumulation covers the rest)"""
 
 

@@ -61,7 +61,7 @@ class SFTConfig:
     """optimizer steps of linear warm-up"""
     grad_clip: float = 1.0
     """max global grad norm"""
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = 1024
     """token budget of one packed micro-batch"""
     seed: int = 0
     """data order and sampling seed"""
