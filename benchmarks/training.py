@@ -40,9 +40,8 @@ def main() -> None:
         ids, mask = torch.tensor(seq.input_ids), torch.tensor(seq.loss_mask, dtype=torch.float32)
         rows.append(Row(ids, mask, torch.zeros(n), torch.zeros(n), torch.zeros(n, dtype=torch.long)))
     row_tokens = sum(len(r.input_ids) for r in rows)
-    print(
-        f"{len(rows)} rows, {row_tokens} tokens ({row_tokens / len(rows):.0f}/row), torch threads {torch.get_num_threads()}"
-    )
+    per_row = row_tokens / len(rows)
+    print(f"{len(rows)} rows, {row_tokens} tokens ({per_row:.0f}/row), torch threads {torch.get_num_threads()}")
     model.train()
     print(f"{'mode':28} {'seconds':>8} {'computed tok':>13} {'row tok/s':>10}")
     for shared in (False, True):
