@@ -18,7 +18,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 install: $(BIN)/.installed
 
 demo: install
-	$(BIN)/agent-r1 eval recipes/calculator.yaml
+	$(BIN)/agent-r1 demo recipes/demo.yaml
 
 test: install
 	$(BIN)/ruff check agent_r1 tests benchmarks

@@ -41,7 +41,10 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, dict[
     console = console or Console()
     root = Path(cfg.run_dir)
     if root.exists() and any(root.iterdir()):  # keep an earlier demo run instead of overwriting it
-        kept = root.with_name(f"{root.name}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(root.stat().st_mtime))}")
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(root.stat().st_mtime))
+        kept = next(
+            p for i in range(1000) if not (p := root.with_name(f"{root.name}-{stamp}{f'-{i}' if i else ''}")).exists()
+        )
         root.rename(kept)
         console.print(f"kept the previous run as {kept}")
     root.mkdir(parents=True, exist_ok=True)

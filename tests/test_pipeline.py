@@ -1,0 +1,40 @@
+"""The main job end to end with a tiny random model: eval -> SFT -> RL -> eval, every artefact written."""
+
+import json
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from agent_r1.cli import main
+
+
+def test_demo_pipeline_smoke(tmp_path, tokenizer):
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    run = tmp_path / "demo"
+    args = [
+        "demo", f"run_dir={run}", f"model={tmp_path / 'tiny'}",
+        "eval.num_tasks=4", "eval.max_new_tokens=8", "eval.max_turns=2", "eval.few_shot=false",
+        "sft.num_examples=4", "sft.epochs=1", "sft.batch_size=2",
+        "rl.steps=2", "rl.save_every=1", "rl.few_shot=false", "rl.rollout.tasks_per_step=2", "rl.rollout.group_size=2",
+        "rl.rollout.max_new_tokens=8", "rl.rollout.max_turns=2",
+    ]  # fmt: skip
+    assert main(args) == 0
+    results = json.loads((run / "results.json").read_text())["results"]
+    assert set(results) == {"untrained", "sft", "rl"}
+    assert all(0.0 <= r["accuracy"] <= 1.0 for r in results.values())
+    for name in ("untrained", "sft", "rl"):
+        lines = (run / f"eval_{name}.jsonl").read_text().splitlines()
+        assert len(lines) == 4 and json.loads(lines[0])["steps"]
+    assert (run / "curves.png").stat().st_size > 1000
+    assert (run / "rl/policy/config.json").is_file() and (run / "sft/policy/config.json").is_file()
+    assert len((run / "rl/metrics.jsonl").read_text().splitlines()) == 2
+    # a second run keeps the first one instead of overwriting it
+    assert main(args) == 0
+    assert len(list(tmp_path.glob("demo-*"))) == 1
