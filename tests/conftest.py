@@ -16,24 +16,27 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(resolve_model_path("default"))
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tokenizer):
+def make_tiny_llama(vocab_size: int, hidden: int = 64, eos: int = 2, pad: int = 2, seed: int = 0) -> LlamaForCausalLM:
     """A 2-layer Llama with random weights: fast, deterministic, exercises GQA, RoPE and the KV cache."""
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos,
+        pad_token_id=pad,
     )
     return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tokenizer):
+    return make_tiny_llama(len(tokenizer), eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id)
 
 
 @pytest.fixture

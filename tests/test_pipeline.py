@@ -2,20 +2,14 @@
 
 import json
 
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from agent_r1.cli import main
+from tests.conftest import make_tiny_llama
 
 
 def test_demo_pipeline_smoke(tmp_path, tokenizer):
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny")
+    make_tiny_llama(len(tokenizer), hidden=32, eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id).save_pretrained(
+        tmp_path / "tiny"
+    )
     tokenizer.save_pretrained(tmp_path / "tiny")
     run = tmp_path / "demo"
     args = [

@@ -8,13 +8,13 @@ token-exact by construction.
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from agent_r1.config import load_config
 from agent_r1.env.base import StepResult
 from agent_r1.trainer.config import TrainConfig
 from agent_r1.types import Observation, Termination
+from tests.conftest import make_tiny_llama
 
 VOCAB = 64
 
@@ -45,20 +45,7 @@ TASKS = [{"ids": [10 + i, 50, 51]} for i in range(16)]
 
 
 def tiny_model(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-    return LlamaForCausalLM(config).eval()
+    return make_tiny_llama(VOCAB, hidden=32, seed=seed)
 
 
 def toy_config(tmp_path, *overrides: str) -> TrainConfig:
