@@ -16,6 +16,7 @@ makes that safe.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import random
@@ -130,7 +131,7 @@ def train(
             _fill_advantages(rows, where, trajs, step_rewards, cfg)
             zero_var = _zero_variance_groups(trajs, step_rewards)
             if cfg.algo.zero_variance_groups == "skip" and cfg.algo.estimator in GROUP_ESTIMATORS:
-                rows = [r for r, (t, _) in zip(rows, where.row_owner, strict=True) if trajs[t].group_id not in zero_var]
+                rows = [r for r, t in zip(rows, where.row_owner, strict=True) if trajs[t].group_id not in zero_var]
 
             # 5. update -----------------------------------------------------------------------------
             update = _update(policy, critic, ref, rows, optimizer, scheduler, params, cfg, step)
@@ -189,7 +190,7 @@ def shape_rewards(trajs: list[Trajectory], cfg: TrainConfig) -> list[torch.Tenso
 class RowIndex:
     """Where each trajectory's steps live among the rows (a trajectory may span several rows)."""
 
-    row_owner: list[tuple[int, int]]  # per row: (trajectory index, first step index in the row)
+    row_owner: list[int]  # per row: index of its trajectory
     step_index: list[torch.Tensor]  # per row [T]: step that sampled the token, -1 elsewhere
     step_tokens: list[torch.Tensor]  # per trajectory [K_i]: sampled tokens of each step
 
@@ -211,7 +212,7 @@ def build_rows(trajs: list[Trajectory], step_rewards: list[torch.Tensor]) -> tup
                     seg=seg,
                 )
             )
-            owners.append((ti, int(sidx[sidx >= 0].min()) if (sidx >= 0).any() else 0))
+            owners.append(ti)
             step_idx.append(sidx)
         seg_base += len(t.steps)
     step_tokens = [torch.tensor([len(s.response_ids) for s in t.steps], dtype=torch.float32) for t in trajs]
@@ -229,7 +230,7 @@ def _fill_ref_logprobs(ref: Callable, rows: list[Row], cfg: TrainConfig) -> None
 def _subtract_kl_from_rewards(rows: list[Row], where: RowIndex, step_rewards: list[torch.Tensor], cfg) -> float:
     """kl_mode=reward: each step's reward -= kl_coef * sum of its tokens' KL estimates."""
     total = 0.0
-    for row, (ti, _), sidx in zip(rows, where.row_owner, where.step_index, strict=True):
+    for row, ti, sidx in zip(rows, where.row_owner, where.step_index, strict=True):
         kl = kl_penalty(row.old_logp, row.ref_logp, cfg.algo.kl_estimator) * row.mask  # [T]
         for k in sidx[sidx >= 0].unique().tolist():
             penalty = cfg.algo.kl_coef * float(kl[sidx == k].sum())
@@ -256,7 +257,7 @@ def _fill_advantages(rows: list[Row], where: RowIndex, trajs, step_rewards, cfg:
         step_adv = adv_fns.reinforce_pp(step_rewards, where.step_tokens, a.gamma)
     else:
         step_adv = adv_fns.reinforce_pp_baseline(step_rewards, where.step_tokens, groups, a.gamma)
-    for row, (ti, _), sidx in zip(rows, where.row_owner, where.step_index, strict=True):
+    for row, ti, sidx in zip(rows, where.row_owner, where.step_index, strict=True):
         row.adv = adv_fns.token_advantages([step_adv[ti]], sidx, torch.zeros_like(sidx)).float()
 
 
@@ -265,7 +266,7 @@ def _fill_gae(rows: list[Row], where: RowIndex, step_rewards: list[torch.Tensor]
     a = cfg.algo
     n = len(step_rewards)
     by_traj: list[list[tuple[Row, torch.Tensor]]] = [[] for _ in range(n)]
-    for row, (ti, _), sidx in zip(rows, where.row_owner, where.step_index, strict=True):
+    for row, ti, sidx in zip(rows, where.row_owner, where.step_index, strict=True):
         by_traj[ti].append((row, sidx))
     for ti, parts in enumerate(by_traj):
         if not parts:
@@ -394,32 +395,15 @@ def _reference(policy: torch.nn.Module, cfg: TrainConfig) -> Callable | None:
     if cfg.algo.kl_coef == 0:
         return None
     if cfg.lora.enabled:
-        return lambda: _AdapterOff(policy)
+
+        @contextlib.contextmanager
+        def adapters_off():
+            with policy.disable_adapter():
+                yield policy
+
+        return adapters_off
     frozen = copy.deepcopy(policy).eval().requires_grad_(False)
-    return lambda: _Same(frozen)
-
-
-class _AdapterOff:
-    def __init__(self, model):
-        self.model, self.ctx = model, model.disable_adapter()
-
-    def __enter__(self):
-        self.ctx.__enter__()
-        return self.model
-
-    def __exit__(self, *exc):
-        return self.ctx.__exit__(*exc)
-
-
-class _Same:
-    def __init__(self, model):
-        self.model = model
-
-    def __enter__(self):
-        return self.model
-
-    def __exit__(self, *exc):
-        return False
+    return lambda: contextlib.nullcontext(frozen)
 
 
 class Critic(torch.nn.Module):
