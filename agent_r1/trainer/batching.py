@@ -51,8 +51,12 @@ class MicroBatch:
     ref_logp: torch.Tensor | None
     old_values: torch.Tensor | None
     returns: torch.Tensor | None
-    row_lens: list[int]
+    rows: list[Row]  # the rows, in the order they are concatenated
     prefix_len: int = 0
+
+    @property
+    def row_lens(self) -> list[int]:
+        return [len(r.input_ids) for r in self.rows]
 
     @property
     def num_tokens(self) -> int:
@@ -144,7 +148,7 @@ def _concat(rows: list[Row], prefix_len: int) -> MicroBatch:
         ref_logp=cat("ref_logp"),
         old_values=cat("old_values"),
         returns=cat("returns"),
-        row_lens=[len(r.input_ids) for r in rows],
+        rows=rows,
         prefix_len=prefix_len,
     )
 

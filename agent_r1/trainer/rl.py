@@ -221,10 +221,12 @@ def build_rows(trajs: list[Trajectory], step_rewards: list[torch.Tensor]) -> tup
 
 @torch.no_grad()
 def _fill_ref_logprobs(ref: Callable, rows: list[Row], cfg: TrainConfig) -> None:
-    for row in rows:
-        (mb,) = pack([row], max_tokens=len(row.input_ids))
-        with ref() as model:
-            row.ref_logp = token_logprobs(model, mb, cfg.rollout.temperature)[0]
+    """Reference-policy log-probs of every row, batched like the update (shared prefixes once)."""
+    with ref() as model:
+        for mb in pack(rows, cfg.optim.micro_batch_tokens):
+            logp = token_logprobs(model, mb, cfg.rollout.temperature)[0]
+            for row, part in zip(mb.rows, logp.split(mb.row_lens), strict=True):
+                row.ref_logp = part
 
 
 def _subtract_kl_from_rewards(rows: list[Row], where: RowIndex, step_rewards: list[torch.Tensor], cfg) -> float:
@@ -437,10 +439,10 @@ class Critic(torch.nn.Module):
 @torch.no_grad()
 def _fill_old_values(critic: Critic, policy: torch.nn.Module, rows: list[Row], cfg: TrainConfig) -> None:
     """Critic values at rollout time (the clipping anchor and the GAE baseline)."""
-    for row in rows:
-        (mb,) = pack([row], max_tokens=len(row.input_ids))
+    for mb in pack(rows, cfg.optim.micro_batch_tokens):
         hidden = token_logprobs(policy, mb, cfg.rollout.temperature, hidden=True)[2] if critic.shared else None
-        row.old_values = critic(mb, hidden)
+        for row, part in zip(mb.rows, critic(mb, hidden).split(mb.row_lens), strict=True):
+            row.old_values = part
 
 
 # --- data, schedule, logging -----------------------------------------------------------------------
