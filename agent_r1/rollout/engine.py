@@ -7,7 +7,7 @@ Token ids in, token ids + log-probs out: text is derived, never the source of tr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 
@@ -43,7 +43,6 @@ class GenerateOutput:
     text: str
     finish_reason: str  # "stop" | "eos" | "length"
     prompt_len: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class Engine(Protocol):
