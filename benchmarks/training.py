@@ -18,10 +18,8 @@ import torch
 
 from agent_r1.data.demos import demo_to_sequence
 from agent_r1.env.prompt_format import ChatFormat
-from agent_r1.env.tool_calls import tools_system_prompt
 from agent_r1.models import load_model
 from agent_r1.recipes import calculator as recipe
-from agent_r1.tools import calculator
 from agent_r1.trainer.batching import Row, pack, token_logprobs
 from agent_r1.trainer.sft import SFTConfig, demonstrations
 
@@ -32,10 +30,10 @@ def main() -> None:
     args = parser.parse_args()
     model, tok = load_model("default")
     fmt = ChatFormat(tok)
-    system = {"role": "system", "content": tools_system_prompt([calculator.schema], recipe.INSTRUCTIONS)}
+    prefix = recipe.make_env(fmt, few_shot=False).prompt_prefix
     rows = []
     for demo in demonstrations(SFTConfig(num_examples=args.rows, ops=(1, 2))):
-        seq = demo_to_sequence(demo, [system], fmt, tok)
+        seq = demo_to_sequence(demo, prefix, fmt, tok)
         n = len(seq.input_ids)
         ids, mask = torch.tensor(seq.input_ids), torch.tensor(seq.loss_mask, dtype=torch.float32)
         rows.append(Row(ids, mask, torch.zeros(n), torch.zeros(n), torch.zeros(n, dtype=torch.long)))

@@ -56,12 +56,18 @@ class ToolEnv:
         self.rewrite = rewrite
         self.stop = ("</tool_call>", *prompt_format.stop)
 
+    @property
+    def prompt_prefix(self) -> list[Message]:
+        """What every episode's prompt starts with: system (tools + instructions) and examples.
+        SFT demonstrations use it too, so cold start and RL see the same prompt."""
+        return [{"role": "system", "content": self.system}, *self.examples]
+
     async def reset(self, task: dict[str, Any]) -> Observation:
         """First prompt: system (tools) + few-shot examples + the task's question or messages."""
         self.task = task
         self.turn = 0
         question = task.get("messages") or [{"role": "user", "content": str(task["question"])}]
-        self.messages: list[Message] = [{"role": "system", "content": self.system}, *self.examples, *question]
+        self.messages: list[Message] = [*self.prompt_prefix, *question]
         self.context = self.format.initial(self.messages)  # [T] ids the policy sees next
         return Observation(token_ids=list(self.context))
 

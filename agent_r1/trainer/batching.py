@@ -154,14 +154,20 @@ def _concat(rows: list[Row], prefix_len: int) -> MicroBatch:
 
 
 def token_logprobs(
-    model: torch.nn.Module, mb: MicroBatch, temperature: float = 1.0, *, entropy: bool = False, hidden: bool = False
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    temperature: float = 1.0,
+    *,
+    entropy: bool = False,
+    entropy_grad: bool = False,
+    hidden: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Log-prob of every masked token under `model` from one forward pass over the micro-batch.
 
     Logits are computed only at positions that predict a masked token, which skips the vocabulary
-    projection for prompt and tool tokens. Returns logp [L] (0 off the mask), entropy [L] (0 off the
-    mask) or None, and the last hidden state aligned to inputs [L, H] (zeros inside a shared prefix)
-    or None.
+    projection for prompt and tool tokens. Returns logp [L] (0 off the mask); entropy [L] (0 off the
+    mask; differentiable when `entropy_grad`) or None; the last hidden state aligned to inputs [L, H]
+    (zeros inside a shared prefix) or None.
     """
     targets = mb.mask.nonzero().squeeze(-1)  # [M] positions of sampled tokens
     states = _shared_forward(model, mb) if mb.prefix_len else _packed_forward(model, mb)  # [L, H]
@@ -170,10 +176,10 @@ def token_logprobs(
     picked = logits.gather(-1, mb.input_ids[targets, None]).squeeze(-1) - lse  # [M]
     logp = torch.zeros(len(mb.input_ids), dtype=picked.dtype).index_put((targets,), picked)
     ent = None
-    if entropy:
-        with torch.no_grad():
+    if entropy:  # with a gradient only for an entropy bonus: the [M, V] softmax is costly to keep
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             per_token = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # [M]
-        ent = torch.zeros(len(mb.input_ids)).index_put((targets,), per_token)
+            ent = torch.zeros(len(mb.input_ids), dtype=per_token.dtype).index_put((targets,), per_token)
     return logp, ent, states if hidden else None
 
 

@@ -337,6 +337,7 @@ def _update(policy, critic, ref, rows, optimizer, scheduler, params, cfg: TrainC
                     mb,
                     cfg.rollout.temperature,
                     entropy=True,
+                    entropy_grad=a.entropy_coef > 0,
                     hidden=critic is not None and critic.shared,
                 )
                 loss, m = policy_loss_fn(
@@ -351,9 +352,15 @@ def _update(policy, critic, ref, rows, optimizer, scheduler, params, cfg: TrainC
                     loss = loss - a.entropy_coef * aggregate(entropy, mb.mask, mb.seg, **agg)
                 if critic is not None:
                     vl, vm = value_loss(
-                        critic(mb, hidden), mb.old_values, mb.returns, _value_mask(mb, a.gae_level), mb.seg,
-                        clip=a.value_clip, agg="token-mean",
-                    )  # fmt: skip
+                        critic(mb, hidden),
+                        mb.old_values,
+                        mb.returns,
+                        _value_mask(mb, a.gae_level),
+                        mb.seg,
+                        clip=a.value_clip,
+                        agg="token-mean",
+                        n_tokens=n_tokens if a.gae_level == "token" else n_seqs,
+                    )  # fmt: skip (value targets: every sampled token, or each step's first one = one per segment)
                     loss = loss + a.vf_coef * vl
                     m |= vm | {"value_loss": vl.item()}
                 if not torch.isfinite(loss):
@@ -361,7 +368,7 @@ def _update(policy, critic, ref, rows, optimizer, scheduler, params, cfg: TrainC
                     break
                 loss.backward()
                 train_tokens += mb.num_tokens
-                m["entropy"] = float((entropy * mb.mask).sum() / mb.mask.sum().clamp(min=1))
+                m["entropy"] = float((entropy.detach() * mb.mask).sum() / mb.mask.sum().clamp(min=1))
                 for k, v in m.items():
                     stats.setdefault(k, []).append(float(v))
             grad_norm = torch.nn.utils.clip_grad_norm_(params, o.grad_clip) if finite else torch.tensor(math.nan)

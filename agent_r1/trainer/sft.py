@@ -21,12 +21,10 @@ from rich.console import Console
 from agent_r1.config import to_dict
 from agent_r1.data.demos import calculator_demo, demo_to_sequence, gsm8k_demo
 from agent_r1.env.prompt_format import prompt_format_for
-from agent_r1.env.tool_calls import tools_system_prompt
 from agent_r1.models.loading import is_chat_model, load_model
 from agent_r1.models.lora import with_lora
 from agent_r1.recipes import calculator as calc_recipe
 from agent_r1.recipes import gsm8k
-from agent_r1.tools import calculator
 from agent_r1.trainer.batching import Row, pack, token_logprobs
 from agent_r1.trainer.checkpoint import export_policy, save_checkpoint
 from agent_r1.trainer.common import lr_schedule, progress_bar
@@ -106,8 +104,8 @@ def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any 
     fmt = prompt_format_for(tokenizer, chat=chat)
 
     # the prompt prefix RL and eval will use: system (tools + instructions) and optional example
-    system = {"role": "system", "content": tools_system_prompt([calculator.schema], calc_recipe.INSTRUCTIONS)}
-    prefix = [system, *(calc_recipe.EXAMPLE if cfg.few_shot else [])]
+    env = gsm8k.make_env(fmt) if cfg.source == "gsm8k" else calc_recipe.make_env(fmt, few_shot=cfg.few_shot)
+    prefix = env.prompt_prefix
     rows = []
     for demo in demonstrations(cfg):
         seq = demo_to_sequence(demo, prefix, fmt, tokenizer)

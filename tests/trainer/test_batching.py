@@ -75,3 +75,14 @@ def test_logprobs_and_gradients_match_rows_run_alone():
         got = grads_of(model, -total)
         for name, g in ref_grads.items():
             assert torch.allclose(got[name], g, atol=1e-5), (budget, min_shared, name)
+
+
+def test_entropy_has_a_gradient_only_when_asked():
+    model = tiny_model()
+    (mb,) = pack(rows()[:1], max_tokens=1000)
+    _, ent, _ = token_logprobs(model, mb, entropy=True)
+    assert not ent.requires_grad
+    _, ent, _ = token_logprobs(model, mb, entropy=True, entropy_grad=True)
+    assert ent.requires_grad and float(ent.detach().sum()) > 0
+    ent.sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
