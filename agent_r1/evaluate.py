@@ -5,11 +5,8 @@ Reads top to bottom: load model -> build env + engine -> roll out every task -> 
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from rich.console import Console
@@ -18,6 +15,7 @@ from rich.table import Table
 from agent_r1.data import load_tasks
 from agent_r1.env.prompt_format import prompt_format_for
 from agent_r1.models.loading import is_chat_model, load_model
+from agent_r1.observe.records import trajectory_records, write_records
 from agent_r1.recipes import Recipe, tasks_and_env
 from agent_r1.rollout.agent_loop import AgentEnvLoop, summarize
 from agent_r1.rollout.engine import SamplingParams
@@ -56,7 +54,7 @@ class EvalConfig:
     seed: int = 0
     """sampling seed"""
     out: str | None = None
-    """write trajectories here as jsonl (None = do not write)"""
+    """write trajectory records here (.jsonl, or .jsonl.gz; `agent-r1 view OUT` browses them)"""
 
     def __post_init__(self) -> None:
         if self.num_tasks < 1 or self.group_size < 1:
@@ -91,8 +89,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str,
     metrics["seconds"] = time.perf_counter() - start
     metrics["accuracy"] = metrics.get("reward/correct", sum(t.reward >= 1.0 for t in trajs) / len(trajs))
 
-    if cfg.out:
-        write_trajectories(trajs, cfg.out)
+    if cfg.out:  # the viewer reads these: agent-r1 view OUT
+        write_records(cfg.out, trajectory_records(trajs, tokenizer))
     console.print(report_table(cfg.model, metrics))
     return metrics, trajs
 
@@ -117,11 +115,3 @@ def report_table(title: str, m: dict[str, float]) -> Table:
         f"{m['seconds']:.1f}",
     )
     return table
-
-
-def write_trajectories(trajs: list[Trajectory], path: str | Path) -> None:
-    """One JSON object per trajectory: task, steps with exact ids and log-probs, reward, metrics."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for t in trajs:
-            f.write(json.dumps(dataclasses.asdict(t), default=str) + "\n")

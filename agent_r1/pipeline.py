@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from agent_r1.evaluate import EvalConfig, run_eval
+from agent_r1.observe.plot import plot_metrics
 from agent_r1.trainer.config import TrainConfig
 from agent_r1.trainer.rl import train
 from agent_r1.trainer.sft import SFTConfig, sft
@@ -76,7 +77,7 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, dict[
     console.rule("4/4 trained model")
     evaluate("rl", str(root / "rl" / "policy"))
 
-    plot_curves(history, root / "curves.png")
+    plot_metrics(history, root / "curves.png", title="RL from the SFT checkpoint (training batches, T = 1)")
     (root / "results.json").write_text(json.dumps({"results": results, "seconds": timings}, indent=1))
     console.print(results_table(results))
     console.print(f"curves: {root / 'curves.png'}   trained policy: {root / 'rl' / 'policy'}")
@@ -92,22 +93,3 @@ def results_table(results: dict[str, dict[str, float]]) -> Table:
             name, f"{m['accuracy']:.1%}", f"{m['tool_calls']:.2f}", f"{m['format_errors']:.2f}", f"{m['turns']:.2f}"
         )
     return table
-
-
-def plot_curves(history: list[dict[str, float]], path: Path) -> None:
-    """Reward and accuracy per RL step (training batches, sampled at the RL temperature)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [h["step"] for h in history]
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
-    for ax, key, title in ((axes[0], "reward_mean", "reward"), (axes[1], "accuracy", "accuracy")):
-        ax.plot(steps, [h[key] for h in history], marker="o")
-        ax.set_xlabel("RL step")
-        ax.set_title(f"training {title}")
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

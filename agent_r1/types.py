@@ -67,6 +67,7 @@ class Step:
     info: dict[str, Any] = field(default_factory=dict)  # env info (tool calls, errors, ...)
     text: str = ""  # decoded response, for parsing and viewing only
     index: int = 0  # position of the step in its trajectory
+    finish_reason: str = ""  # why sampling stopped: "stop" | "eos" | "length" ("length" = truncated)
 
 
 @dataclass

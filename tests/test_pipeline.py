@@ -25,10 +25,12 @@ def test_demo_pipeline_smoke(tmp_path, tokenizer):
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in results.values())
     for name in ("untrained", "sft", "rl"):
         lines = (run / f"eval_{name}.jsonl").read_text().splitlines()
-        assert len(lines) == 4 and json.loads(lines[0])["steps"]
+        assert len(lines) == 4 and json.loads(lines[0])["turns"]
     assert (run / "curves.png").stat().st_size > 1000
     assert (run / "rl/policy/config.json").is_file() and (run / "sft/policy/config.json").is_file()
     assert len((run / "rl/metrics.jsonl").read_text().splitlines()) == 2
+    assert sorted(p.name for p in (run / "rl/trajectories").iterdir()) == ["step_000001.jsonl.gz", "step_000002.jsonl.gz"]
+    assert (run / "rl/plots/curves.png").stat().st_size > 1000
     # a second run keeps the first one instead of overwriting it
     assert main(args) == 0
     assert len(list(tmp_path.glob("demo-*"))) == 1

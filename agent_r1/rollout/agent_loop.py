@@ -65,7 +65,7 @@ class AgentEnvLoop:
                 out = (await self.engine.generate([prompt], self._params(env, index, turn)))[0]
                 action = Action(out.token_ids, out.logprobs, out.text, out.finish_reason)
                 obs, reward, done, info = await env.step(action)
-                step = Step(prompt, out.token_ids, out.logprobs, reward, info, out.text, turn)
+                step = Step(prompt, out.token_ids, out.logprobs, reward, info, out.text, turn, out.finish_reason)
                 traj.steps.append(step)
                 if done:
                     traj.termination = Termination(info.get("termination", Termination.ANSWERED))
@@ -104,6 +104,9 @@ def trajectory_metrics(traj: Trajectory) -> dict[str, float]:
         "tool_errors": float(sum(sum(i.get("tool_errors", {}).values()) for i in infos)),
         "format_errors": float(sum(i.get("format_errors", 0) for i in infos)),
         "response_tokens": float(sum(len(s.response_ids) for s in traj.steps)),
+        "truncated": float(
+            any(s.finish_reason == "length" for s in traj.steps) or traj.termination == Termination.CONTEXT_OVERFLOW
+        ),
     }
 
 
@@ -115,4 +118,20 @@ def summarize(trajs: list[Trajectory]) -> dict[str, float]:
     out = {k: sum(t.metrics.get(k, 0.0) for t in trajs) / len(trajs) for k in keys}
     for reason in Termination:
         out[f"termination/{reason.value}"] = sum(t.termination == reason for t in trajs) / len(trajs)
+    if (rep := sample_repetition(trajs)) is not None:
+        out["repetition"] = rep
     return out
+
+
+def sample_repetition(trajs: list[Trajectory]) -> float | None:
+    """How alike the samples of one task are: per group (G >= 2) of identical responses,
+    (G - distinct) / (G - 1), from 0 (all differ) to 1 (all the same token for token); batch mean.
+
+    Rising repetition with falling entropy and reward variance is the "echo trap" of multi-turn agent
+    RL (RAGEN, Wang et al. 2025, arXiv 2504.20073): the policy collapses onto one template.
+    """
+    groups: dict[str, list[tuple]] = {}
+    for t in trajs:
+        groups.setdefault(t.group_id, []).append(tuple(tok for s in t.steps for tok in s.response_ids))
+    scores = [(len(g) - len(set(g))) / (len(g) - 1) for g in groups.values() if len(g) > 1]
+    return sum(scores) / len(scores) if scores else None

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from agent_r1.observe.health import HealthConfig
+from agent_r1.observe.loggers import LogConfig
 from agent_r1.rollout.engine import SamplingParams
 
 Estimator = Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"]
@@ -143,6 +145,10 @@ class TrainConfig:
     """estimator, losses, KL"""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """optimizer and batching"""
+    log: LogConfig = field(default_factory=LogConfig)
+    """loggers (JSONL always; TensorBoard, W&B) and trajectory records"""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """training-health diagnostics and their thresholds"""
 
     def __post_init__(self) -> None:
         a, r, o = self.algo, self.rollout, self.optim

@@ -6,7 +6,7 @@
       3. rows         merged steps -> packed rows; reference log-probs (KL) and values (PPO)
       4. advantages   one estimator from agent_r1.algos.advantages, broadcast to sampled tokens
       5. update       epochs x mini-batches x packed micro-batches, clipped policy loss (+KL, +value)
-      6. metrics      one JSONL line per step
+      6. metrics      one line per step (JSONL, TensorBoard, W&B), health checks, trajectory records
       7. checkpoint   atomic, exact resume
 
 The importance ratio uses the rollout log-probs (the engine computes them with the same weights and
@@ -37,6 +37,10 @@ from agent_r1.env.base import Env
 from agent_r1.env.prompt_format import prompt_format_for
 from agent_r1.models.loading import is_chat_model, load_model
 from agent_r1.models.lora import with_lora
+from agent_r1.observe.health import HealthMonitor
+from agent_r1.observe.loggers import Loggers
+from agent_r1.observe.plot import plot_metrics, read_metrics
+from agent_r1.observe.records import step_path, trajectory_records, write_records
 from agent_r1.recipes import tasks_and_env
 from agent_r1.rollout.agent_loop import AgentEnvLoop, summarize
 from agent_r1.rollout.local_engine import LocalEngine
@@ -46,7 +50,6 @@ from agent_r1.trainer.checkpoint import export_policy, latest_checkpoint, load_c
 from agent_r1.trainer.common import lr_schedule, progress_bar
 from agent_r1.trainer.config import TrainConfig
 from agent_r1.types import Trajectory
-from agent_r1.utils.jsonl import append_jsonl
 
 GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")
 
@@ -101,6 +104,8 @@ def train(
         start, sampler.cursor = meta["step"], meta["cursor"]
         console.print(f"resumed from {ckpt} (step {start})")
 
+    loggers = Loggers(cfg.log, run_dir, to_dict(cfg))
+    health = HealthMonitor(cfg.health, console)
     history = []
     with progress_bar(console) as bar:
         task_bar = bar.add_task("RL steps", total=cfg.steps, completed=start)
@@ -129,6 +134,8 @@ def train(
 
             # 4. advantages -------------------------------------------------------------------------
             _fill_advantages(rows, where, trajs, step_rewards, cfg)
+            if cfg.log.trajectories_every and (step + 1) % cfg.log.trajectories_every == 0:
+                _write_trajectories(run_dir, step + 1, trajs, rows, where, tokenizer)
             zero_var = _zero_variance_groups(trajs, step_rewards)
             if cfg.algo.zero_variance_groups == "skip" and cfg.algo.estimator in GROUP_ESTIMATORS:
                 rows = [r for r, t in zip(rows, where.row_owner, strict=True) if trajs[t].group_id not in zero_var]
@@ -149,7 +156,8 @@ def train(
                 "time/step": t3 - t0,
                 "tokens_per_s/update": update["train_tokens"] / max(t3 - t2, 1e-9),
             }
-            append_jsonl(run_dir / "metrics.jsonl", metrics)
+            metrics |= health.update(metrics)
+            loggers.log(metrics, step + 1)
             history.append(metrics)
             bar.update(task_bar, advance=1, description=_describe(metrics))
 
@@ -158,6 +166,8 @@ def train(
                 extra = {"cursor": sampler.cursor, "config": to_dict(cfg)}
                 save_checkpoint(run_dir, step + 1, modules, optimizer, scheduler, extra, keep=cfg.keep_last)
 
+    loggers.close()
+    plot_metrics(read_metrics(run_dir), run_dir / "plots" / "curves.png", title=str(run_dir))
     export_policy(policy, tokenizer, run_dir / "policy")
     return history
 
@@ -320,6 +330,7 @@ def _update(policy, critic, ref, rows, optimizer, scheduler, params, cfg: TrainC
     norm_len = float(cfg.rollout.max_new_tokens * cfg.rollout.max_turns)
     policy_loss_fn = gspo_policy_loss if a.policy_loss == "gspo" else ppo_policy_loss
     updates = 0
+    drift: list[torch.Tensor] = []  # |trainer - rollout| log-prob of sampled tokens, before any update
     for epoch in range(a.epochs):
         order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg.seed * 7919 + step * 31 + epoch))
         for mini in order.chunk(a.mini_batches):
@@ -363,6 +374,8 @@ def _update(policy, critic, ref, rows, optimizer, scheduler, params, cfg: TrainC
                     )  # fmt: skip (value targets: every sampled token, or each step's first one = one per segment)
                     loss = loss + a.vf_coef * vl
                     m |= vm | {"value_loss": vl.item()}
+                if updates == 0:  # weights are still the rollout's: any difference is drift, not learning
+                    drift.append((logp.detach() - mb.old_logp)[mb.mask > 0].abs())
                 if not torch.isfinite(loss):
                     finite = False
                     break
@@ -382,6 +395,8 @@ def _update(policy, critic, ref, rows, optimizer, scheduler, params, cfg: TrainC
             stats.setdefault("grad_norm", []).append(float(grad_norm))
     policy.eval()
     out = {k: sum(v) / len(v) for k, v in stats.items() if v}
+    if drift and (d := torch.cat(drift)).numel():
+        out |= {"logprob_drift_mean": float(d.mean()), "logprob_drift_max": float(d.max())}
     return out | {"train_tokens": train_tokens, "skipped_nonfinite": skipped, "updates": updates}
 
 
@@ -469,6 +484,17 @@ class TaskSampler:
             out.append(self.tasks[order[pos]])
             self.cursor += 1
         return out
+
+
+def _write_trajectories(run_dir: Path, step: int, trajs, rows: list[Row], where: RowIndex, tokenizer) -> None:
+    """RUN_DIR/trajectories/step_N.jsonl.gz with each row's advantages (and reference log-probs)."""
+    advs: list[list[torch.Tensor]] = [[] for _ in trajs]
+    refs: list[list[torch.Tensor | None]] = [[] for _ in trajs]
+    for row, ti in zip(rows, where.row_owner, strict=True):
+        advs[ti].append(row.adv)
+        refs[ti].append(row.ref_logp)
+    records = trajectory_records(trajs, tokenizer, step=step, advantages=advs, ref_logprobs=refs)
+    write_records(step_path(run_dir, step), records)
 
 
 def _rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:

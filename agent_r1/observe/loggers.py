@@ -1,0 +1,113 @@
+"""Metric loggers: JSONL always; TensorBoard and Weights & Biases when the config asks for them.
+
+Each logger is a small object with `log(metrics, step)` and `close()`; `Loggers` fans out to the ones
+configured. TensorBoard and W&B are used through their own libraries, so their dashboards, offline
+sync (`wandb sync RUN_DIR/wandb/offline-run-*`) and tooling work as users expect.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from agent_r1.utils.jsonl import append_jsonl
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = False
+    """also write TensorBoard event files to RUN_DIR/tensorboard (needs the tensorboard package)"""
+    wandb: bool = False
+    """also log to Weights & Biases under RUN_DIR/wandb (needs the wandb package)"""
+    wandb_project: str = "agent-r1"
+    """W&B project name"""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """offline writes locally (sync later with `wandb sync`); online needs network and a login"""
+    trajectories_every: int = 1
+    """write RUN_DIR/trajectories/step_N.jsonl.gz every N steps (0 = never)"""
+
+    def __post_init__(self) -> None:
+        if self.trajectories_every < 0:
+            raise ValueError(f"log.trajectories_every must be >= 0, got {self.trajectories_every}")
+
+
+class Logger(Protocol):
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class JsonlLogger:
+    """RUN_DIR/metrics.jsonl: one fsynced line per step, so a killed run keeps every finished step."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        append_jsonl(self.path, {"step": step, **metrics})
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardLogger:
+    def __init__(self, log_dir: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ValueError("log.tensorboard=true needs TensorBoard: pip install tensorboard") from None
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in _scalars(metrics).items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLogger:
+    def __init__(self, run_dir: Path, project: str, mode: str, config: dict[str, Any]) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise ValueError("log.wandb=true needs Weights & Biases: pip install wandb") from None
+        self.run = wandb.init(
+            project=project, dir=str(run_dir), mode=mode, config=config, name=run_dir.name, reinit="finish_previous"
+        )
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(_scalars(metrics), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Loggers:
+    """Every configured logger; `log` writes one step to all of them."""
+
+    def __init__(self, cfg: LogConfig, run_dir: Path, config: dict[str, Any]) -> None:
+        self.loggers: list[Logger] = [JsonlLogger(run_dir / "metrics.jsonl")]
+        if cfg.tensorboard:
+            self.loggers.append(TensorBoardLogger(run_dir / "tensorboard"))
+        if cfg.wandb:
+            self.loggers.append(WandbLogger(run_dir, cfg.wandb_project, cfg.wandb_mode, config))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for logger in self.loggers:
+            logger.log(metrics, step)
+
+    def close(self) -> None:
+        for logger in self.loggers:
+            logger.close()
+
+
+def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """Finite numbers only (dashboards reject NaN/inf; the JSONL keeps them for the health checks)."""
+    return {
+        k: float(v)
+        for k, v in metrics.items()
+        if k != "step" and isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    }

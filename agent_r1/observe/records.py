@@ -1,0 +1,151 @@
+"""Trajectory records: what a run keeps of every episode, for people and for analysis.
+
+A record is one JSON object per trajectory: the task, each turn as a person reads it (new context,
+response, tool calls and results, reward, advantage) and the training rows exactly as the trainer saw
+them (token ids, the decoded piece of every token, loss mask, rollout log-probs, advantages). Steps
+are written as `trajectories/step_000001.jsonl.gz` in the run directory (see docs/observability.md);
+`agent-r1 eval out=...` writes the same records, so the viewer reads both.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agent_r1.rollout.merge import merge_trajectory
+from agent_r1.types import Trajectory
+
+TRAJECTORY_DIR = "trajectories"
+_STEP_FILE = re.compile(r"step_(\d+)\.jsonl\.gz$")
+
+
+def trajectory_records(
+    trajs: Sequence[Trajectory],
+    tokenizer: Any,
+    *,
+    step: int | None = None,
+    advantages: Sequence[Sequence[torch.Tensor]] | None = None,
+    ref_logprobs: Sequence[Sequence[torch.Tensor | None]] | None = None,
+) -> list[dict[str, Any]]:
+    """One record per trajectory. `advantages[i][j]` ([T]) belongs to row j of `merge_trajectory(trajs[i])`,
+    the same rows the trainer builds, so token ids, masks and advantages line up exactly."""
+    out = []
+    for i, traj in enumerate(trajs):
+        rows = merge_trajectory(traj)
+        advs = advantages[i] if advantages is not None else [None] * len(rows)
+        refs = ref_logprobs[i] if ref_logprobs is not None else [None] * len(rows)
+        row_records = [_row_record(r, a, ref, tokenizer) for r, a, ref in zip(rows, advs, refs, strict=True)]
+        out.append(
+            {
+                "step": step,
+                "traj_id": traj.traj_id,
+                "group_id": traj.group_id,
+                "task": traj.task,
+                "termination": str(traj.termination) if traj.termination is not None else None,
+                "reward": traj.reward,
+                "error": traj.error,
+                "metrics": traj.metrics,
+                "turns": _turns(traj, row_records, tokenizer),
+                "rows": row_records,
+            }
+        )
+    return out
+
+
+def _row_record(seq, adv: torch.Tensor | None, ref: torch.Tensor | None, tokenizer: Any) -> dict[str, Any]:
+    return {
+        "ids": seq.input_ids,
+        "tokens": tokenizer.batch_decode([[t] for t in seq.input_ids]),  # one decoded piece per id
+        "mask": seq.loss_mask,
+        "logprobs": [round(x, 6) for x in seq.logprobs],
+        "advantages": None if adv is None else [round(float(x), 6) for x in adv.tolist()],
+        "ref_logprobs": None if ref is None else [round(float(x), 6) for x in ref.tolist()],
+        "step_index": seq.step_index,
+    }
+
+
+def _turns(traj: Trajectory, rows: list[dict[str, Any]], tokenizer: Any) -> list[dict[str, Any]]:
+    """Each step as a person reads it: what entered the context since the last response, then the response.
+
+    When the env rewrote the context (the prompt does not extend the previous one) the whole prompt is
+    shown and `rewritten` is set."""
+    step_adv = _step_advantages(rows)
+    turns, context = [], None
+    for s in traj.steps:
+        extends = context is not None and s.prompt_ids[: len(context)] == context
+        new = s.prompt_ids[len(context) :] if extends else s.prompt_ids
+        info = {k: v for k, v in s.info.items() if k != "tool_results"}
+        turns.append(
+            {
+                "index": s.index,
+                "observation": tokenizer.decode(new),
+                "rewritten": context is not None and not extends,
+                "response": s.text,
+                "finish_reason": s.finish_reason,
+                "response_tokens": len(s.response_ids),
+                "reward": s.reward,
+                "advantage": step_adv.get(s.index),
+                "tool_results": s.info.get("tool_results", []),
+                "info": json.loads(json.dumps(info, default=str)),
+            }
+        )
+        context = s.prompt_ids + s.response_ids
+    return turns
+
+
+def _step_advantages(rows: list[dict[str, Any]]) -> dict[int, float]:
+    """Advantage of each step: the value on its first sampled token (step-level estimators broadcast it)."""
+    out: dict[int, float] = {}
+    for r in rows:
+        if r["advantages"] is None:
+            continue
+        for k, adv in zip(r["step_index"], r["advantages"], strict=True):
+            if k >= 0 and k not in out:
+                out[k] = adv
+    return out
+
+
+def write_records(path: str | Path, records: list[dict[str, Any]]) -> Path:
+    """Write records as JSONL (gzip when the name ends in .gz), atomically: a kill leaves no half file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(tmp, "wt", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def step_path(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / TRAJECTORY_DIR / f"step_{step:06d}.jsonl.gz"
+
+
+def read_records(path: str | Path) -> Iterator[dict[str, Any]]:
+    """Records of one file (.jsonl or .jsonl.gz)."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{n}: not a JSON record ({exc.msg})") from None
+
+
+def step_files(run_dir: str | Path) -> dict[int, Path]:
+    """{step: file} of a run directory's trajectory files, in step order."""
+    found = {}
+    for p in (Path(run_dir) / TRAJECTORY_DIR).glob("step_*.jsonl.gz"):
+        if m := _STEP_FILE.search(p.name):
+            found[int(m.group(1))] = p
+    return dict(sorted(found.items()))
