@@ -132,3 +132,13 @@ def test_page_in_headless_chromium(served, tmp_path):
         page.wait_for_function("document.querySelectorAll('#rows tr.traj').length === 2")
         browser.close()
     assert (tmp_path / "viewer.png").stat().st_size > 10_000
+
+
+def test_view_command_rejects_a_missing_run_in_one_line(tmp_path, capsys):
+    from agent_r1.cli import main
+
+    assert main(["view", str(tmp_path / "absent")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "no such run directory" in err
+    assert main(["view", str(tmp_path), "port=0"]) == 2
+    assert "port must be in 1..65535" in capsys.readouterr().err
