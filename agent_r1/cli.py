@@ -14,6 +14,7 @@ from agent_r1.evaluate import EvalConfig, run_eval
 from agent_r1.observe.plot import PlotConfig, plot_run
 from agent_r1.observe.viewer.app import ViewConfig, serve_viewer
 from agent_r1.pipeline import DemoConfig, run_demo
+from agent_r1.retrieval.server import RetrievalServerConfig, serve_retrieval
 from agent_r1.trainer.config import TrainConfig
 from agent_r1.trainer.rl import train
 from agent_r1.trainer.sft import SFTConfig, sft
@@ -26,6 +27,12 @@ COMMANDS = {
     "eval": (EvalConfig, run_eval, "evaluate a model on a recipe's tasks with its tools", None),
     "view": (ViewConfig, serve_viewer, "browse a run's trajectories in a local web page", "run_dir"),
     "plot": (PlotConfig, plot_run, "PNG curves of a run's metrics (reward, accuracy, tools, KL, entropy)", "run_dir"),
+    "retrieval-server": (
+        RetrievalServerConfig,
+        serve_retrieval,
+        "serve a search index over HTTP to rollout workers",
+        None,
+    ),
 }
 
 

@@ -28,13 +28,17 @@ class EvalConfig:
     model: str = "default"
     """"default", a bundled model (smollm2-135m-instruct, gemma3-270m) or a Hugging Face directory"""
     recipe: Recipe = "calculator"
-    """task, tools and reward: calculator (synthetic word problems) or gsm8k"""
+    """task, tools and reward: calculator (synthetic word problems), gsm8k, or hotpotqa (search)"""
     data: str | None = None
     """jsonl of tasks with question/answer; None = the recipe's generated held-out split"""
     num_tasks: int = 32
     """how many tasks to evaluate (the first N of the data)"""
     ops: tuple[int, ...] = (1, 2)
     """operations per generated problem (difficulty levels 1-3), cycled"""
+    retriever: str = "bm25"
+    """hotpotqa recipe: search index, bm25 or dense, or the URL of an `agent-r1 retrieval-server`"""
+    max_tool_tokens: int = 256
+    """hotpotqa recipe: each search result is cut to this many tokens"""
     group_size: int = 1
     """samples per task"""
     max_turns: int = 4
@@ -77,7 +81,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str,
     fmt = prompt_format_for(tokenizer, chat=chat)
     tasks, make_env = tasks_and_env(
         cfg.recipe, fmt, held_out=True, n=cfg.num_tasks, ops=cfg.ops, data=cfg.data,
-        max_turns=cfg.max_turns, few_shot=cfg.few_shot,
+        max_turns=cfg.max_turns, few_shot=cfg.few_shot, retriever=cfg.retriever, max_tool_tokens=cfg.max_tool_tokens,
     )  # fmt: skip
     engine = LocalEngine(model, tokenizer, max_batch_size=cfg.max_batch_size, seed=cfg.seed)
     loop = AgentEnvLoop(engine, make_env, cfg.sampling, seed=cfg.seed)

@@ -30,9 +30,10 @@ def main() -> None:
     args = parser.parse_args()
     model, tok = load_model("default")
     fmt = ChatFormat(tok)
-    prefix = recipe.make_env(fmt, few_shot=False).prompt_prefix
+    env = recipe.make_env(fmt, few_shot=False)
+    prefix = env.prompt_prefix
     rows = []
-    for demo in demonstrations(SFTConfig(num_examples=args.rows, ops=(1, 2))):
+    for demo in demonstrations(SFTConfig(num_examples=args.rows, ops=(1, 2)), env):
         seq = demo_to_sequence(demo, prefix, fmt, tok)
         n = len(seq.input_ids)
         ids, mask = torch.tensor(seq.input_ids), torch.tensor(seq.loss_mask, dtype=torch.float32)

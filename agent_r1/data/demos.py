@@ -28,10 +28,14 @@ _ANNOTATION = re.compile(r"<<([^=<>]+)=([^<>]*)>>")
 _FINAL = re.compile(r"####\s*(.+)\s*$")
 
 
+def call_text(name: str, arguments: dict[str, Any]) -> str:
+    """The hermes call the model is taught to write."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
 def tool_call_text(expression: str) -> str:
-    """The hermes call the model is taught to write for one calculator computation."""
-    payload = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
-    return f"<tool_call>\n{payload}\n</tool_call>"
+    """One calculator computation as a hermes call."""
+    return call_text("calculator", {"expression": expression})
 
 
 def calculator_result(expression: str) -> str:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
+
+from transformers import PreTrainedTokenizerBase
 
 from agent_r1.env.base import StepResult
 from agent_r1.env.prompt_format import PromptFormat
@@ -26,8 +28,9 @@ from agent_r1.env.tool_calls import (
 from agent_r1.tools import Tool, execute_tool_call
 from agent_r1.types import Action, Message, Observation, Termination
 
-# (task, final response text) -> outcome reward, or (reward, {name: value}) to log its parts
-RewardFn = Callable[[dict[str, Any], str], float | tuple[float, dict[str, float]]]
+# (task, final response text) -> outcome reward, or (reward, {name: value}) to log its parts;
+# with reward_on="episode" the second argument is every response of the episode, in order
+RewardFn = Callable[[dict[str, Any], Any], float | tuple[float, dict[str, float]]]
 Rewrite = Callable[[list[Message]], list[Message]]  # full message history -> the next context
 
 
@@ -44,9 +47,13 @@ class ToolEnv:
         examples: list[Message] | None = None,
         max_turns: int = 4,
         rewrite: Rewrite | None = None,
+        max_tool_tokens: int | None = None,
+        reward_on: Literal["final", "episode"] = "final",
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if max_tool_tokens is not None and max_tool_tokens < 1:
+            raise ValueError(f"max_tool_tokens must be >= 1, got {max_tool_tokens}")
         self.tools = dict(tools)
         self.format = prompt_format
         self.reward_fn = reward_fn
@@ -54,6 +61,8 @@ class ToolEnv:
         self.examples = list(examples or [])
         self.max_turns = max_turns
         self.rewrite = rewrite
+        self.max_tool_tokens = max_tool_tokens  # each tool output is cut to this many tokens (None: no cut)
+        self.reward_on = reward_on  # the reward sees the final response, or every response of the episode
         self.stop = ("</tool_call>", *prompt_format.stop)
 
     @property
@@ -66,6 +75,7 @@ class ToolEnv:
         """First prompt: system (tools) + few-shot examples + the task's question or messages."""
         self.task = task
         self.turn = 0
+        self.responses: list[str] = []  # every response of this episode, in order
         question = task.get("messages") or [{"role": "user", "content": str(task["question"])}]
         self.messages: list[Message] = [*self.prompt_prefix, *question]
         self.context = self.format.initial(self.messages)  # [T] ids the policy sees next
@@ -73,6 +83,7 @@ class ToolEnv:
 
     async def step(self, action: Action) -> StepResult:
         self.turn += 1
+        self.responses.append(action.text)
         self.messages.append({"role": "assistant", "content": action.text})
         parsed = parse_tool_calls(action.text)
         # an answer tag, or a base model starting the next user turn ("\nUser:"), ends the episode
@@ -121,10 +132,13 @@ class ToolEnv:
                 errors["parse_error"] += 1
                 continue
             r = next(it)
-            outputs.append(r.output)
+            output, cut = r.output, False
+            if self.max_tool_tokens is not None:
+                output, cut = truncate_to_tokens(output, self.format.tokenizer, self.max_tool_tokens)
+            outputs.append(output)
             if r.error:
                 errors[r.error] += 1
-            info["truncated_outputs"] += r.truncated
+            info["truncated_outputs"] += r.truncated or cut
         info["tool_results"] = [
             {"name": r.name, "arguments": r.arguments, "output": r.output, "error": r.error} for r in results
         ]
@@ -136,7 +150,20 @@ class ToolEnv:
             return None
         for stop in self.format.stop:  # a base model that started writing the next turn
             text = text.split(stop)[0]
-        result = self.reward_fn(self.task, text)
+        if self.reward_on == "episode":
+            result = self.reward_fn(self.task, [*self.responses[:-1], text])
+        else:
+            result = self.reward_fn(self.task, text)
         value, parts = result if isinstance(result, tuple) else (result, {})
         info["reward_parts"] = dict(parts)
         return float(value)
+
+
+def truncate_to_tokens(text: str, tokenizer: PreTrainedTokenizerBase, max_tokens: int) -> tuple[str, bool]:
+    """`text` cut to its first `max_tokens` tokens (plus a marker), and whether it was cut.
+
+    Tool outputs are cut by tokens, not characters, so a turn's share of the context budget is exact."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) <= max_tokens:
+        return text, False
+    return tokenizer.decode(ids[:max_tokens]) + " ...[truncated]", True

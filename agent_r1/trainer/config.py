@@ -7,6 +7,7 @@ from typing import Literal
 
 from agent_r1.observe.health import HealthConfig
 from agent_r1.observe.loggers import LogConfig
+from agent_r1.recipes import Recipe
 from agent_r1.rollout.engine import SamplingParams
 
 Estimator = Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"]
@@ -113,12 +114,16 @@ class OptimConfig:
 class TrainConfig:
     model: str = "default"
     """"default", a bundled model name, a Hugging Face directory, or a checkpoint export"""
-    recipe: Literal["calculator", "gsm8k"] = "calculator"
-    """task, tools and reward: calculator (synthetic word problems) or gsm8k"""
+    recipe: Recipe = "calculator"
+    """task, tools and reward: calculator (synthetic word problems), gsm8k, or hotpotqa (search)"""
     data: str | None = None
     """jsonl of tasks (question/answer); None = the recipe's generated training split"""
     ops: tuple[int, ...] = (1, 2)
     """calculator recipe: operations per generated problem"""
+    retriever: str = "bm25"
+    """hotpotqa recipe: search index, bm25 or dense, or the URL of an `agent-r1 retrieval-server`"""
+    max_tool_tokens: int = 256
+    """hotpotqa recipe: each search result is cut to this many tokens"""
     few_shot: bool = True
     """show one worked tool-use episode before the question"""
     format_weight: float = 0.0
@@ -168,6 +173,7 @@ class TrainConfig:
             (o.micro_batch_tokens >= 64, f"optim.micro_batch_tokens must be >= 64, got {o.micro_batch_tokens}"),
             (o.grad_clip > 0, f"optim.grad_clip must be > 0, got {o.grad_clip}"),
             (self.save_every >= 1 and self.keep_last >= 1, "save_every and keep_last must be >= 1"),
+            (self.max_tool_tokens >= 1, f"max_tool_tokens must be >= 1, got {self.max_tool_tokens}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -92,6 +92,7 @@ def train(
     recipe_tasks, recipe_env = tasks_and_env(
         cfg.recipe, fmt, held_out=False, n=4096, seed=cfg.seed, ops=cfg.ops, data=cfg.data,
         max_turns=cfg.rollout.max_turns, few_shot=cfg.few_shot, format_weight=cfg.format_weight,
+        retriever=cfg.retriever, max_tool_tokens=cfg.max_tool_tokens,
     )  # fmt: skip
     tasks = tasks if tasks is not None else recipe_tasks
     make_env = make_env or recipe_env

@@ -21,10 +21,11 @@ from rich.console import Console
 from agent_r1.config import to_dict
 from agent_r1.data.demos import calculator_demo, demo_to_sequence, gsm8k_demo
 from agent_r1.env.prompt_format import prompt_format_for
+from agent_r1.env.tool_env import ToolEnv
 from agent_r1.models.loading import is_chat_model, load_model
 from agent_r1.models.lora import with_lora
 from agent_r1.recipes import calculator as calc_recipe
-from agent_r1.recipes import gsm8k
+from agent_r1.recipes import gsm8k, hotpotqa, tasks_and_env
 from agent_r1.trainer.batching import Row, pack, token_logprobs
 from agent_r1.trainer.checkpoint import export_policy, save_checkpoint
 from agent_r1.trainer.common import lr_schedule, progress_bar
@@ -37,10 +38,10 @@ from agent_r1.utils.jsonl import append_jsonl
 class SFTConfig:
     model: str = "default"
     """"default", a bundled model name or a Hugging Face directory"""
-    source: Literal["calculator", "gsm8k"] = "calculator"
-    """demonstrations: synthetic calculator problems, or GSM8K's calculator annotations"""
+    source: Literal["calculator", "gsm8k", "hotpotqa"] = "calculator"
+    """demonstrations: synthetic calculator problems, GSM8K's calculator annotations, or HotpotQA searches"""
     data: str | None = None
-    """GSM8K jsonl (None = ../shared/data/gsm8k/train.jsonl)"""
+    """GSM8K / HotpotQA jsonl (None = the file in ../shared/data)"""
     num_examples: int = 128
     """demonstrations to train on (from the training split)"""
     ops: tuple[int, ...] = (1,)
@@ -67,6 +68,10 @@ class SFTConfig:
     """where config, metrics, the checkpoint and the exported policy go"""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (off = full fine-tuning)"""
+    retriever: str = "bm25"
+    """hotpotqa source: the search index the demonstrations' tool responses come from (as in RL)"""
+    max_tool_tokens: int = 256
+    """hotpotqa source: each search result is cut to this many tokens (as in RL)"""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -75,9 +80,11 @@ class SFTConfig:
             raise ValueError("num_examples, epochs and batch_size must be >= 1")
 
 
-def demonstrations(cfg: SFTConfig) -> list[list[Message]]:
+def demonstrations(cfg: SFTConfig, env: ToolEnv) -> list[list[Message]]:
     """Demonstrations from the training split of the chosen source (GSM8K ones that disagree with
-    the calculator are skipped)."""
+    the calculator are skipped); tool responses come from `env`'s tools."""
+    if cfg.source == "hotpotqa":
+        return [hotpotqa.demo(t, env) for t in hotpotqa.load(cfg.data, n=cfg.num_examples)]
     if cfg.source == "calculator":
         return [calculator_demo(t) for t in calc_recipe.make_tasks(cfg.num_examples, seed=cfg.seed, ops=cfg.ops)]
     demos = []
@@ -104,10 +111,14 @@ def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any 
     fmt = prompt_format_for(tokenizer, chat=chat)
 
     # the prompt prefix RL and eval will use: system (tools + instructions) and optional example
-    env = gsm8k.make_env(fmt) if cfg.source == "gsm8k" else calc_recipe.make_env(fmt, few_shot=cfg.few_shot)
+    _, make_env = tasks_and_env(
+        cfg.source, fmt, held_out=False, n=1, few_shot=cfg.few_shot, retriever=cfg.retriever,
+        max_tool_tokens=cfg.max_tool_tokens,
+    )  # fmt: skip
+    env = make_env()
     prefix = env.prompt_prefix
     rows = []
-    for demo in demonstrations(cfg):
+    for demo in demonstrations(cfg, env):
         seq = demo_to_sequence(demo, prefix, fmt, tokenizer)
         n = len(seq.input_ids)
         rows.append(

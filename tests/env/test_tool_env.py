@@ -176,3 +176,28 @@ async def test_base_model_writing_the_next_user_turn_ends_the_episode(tokenizer)
     _, reward, done, info = await env.step(action(tokenizer, "<tool_call>{bad\nUser:"))
     assert done and info["termination"] == Termination.ANSWERED
     assert reward == 1.0  # the reward sees the response without the stop string
+
+
+async def test_tool_output_is_cut_by_tokens(tokenizer):
+    text = call("echo", {"text": "word " * 300})
+    _env, first, (obs, _, _, info) = await one_step(tokenizer, text, max_tool_tokens=12)
+    assert info["truncated_outputs"] == 1
+    sampled = len(tokenizer.encode(text))
+    new = tokenizer.decode(obs.token_ids[len(first.token_ids) + sampled :])
+    shown = new.split("<tool_response>\n")[1].split("\n</tool_response>")[0]
+    assert shown.endswith(" ...[truncated]")
+    assert len(tokenizer.encode(shown.removesuffix(" ...[truncated]"), add_special_tokens=False)) == 12
+    _env, _, (_, _, _, info) = await one_step(tokenizer, call("echo", {"text": "short"}), max_tool_tokens=12)
+    assert info["truncated_outputs"] == 0
+
+
+async def test_episode_reward_sees_every_response(tokenizer):
+    seen = []
+    env = ToolEnv(TOOLS, ChatFormat(tokenizer), lambda task, rs: seen.append(rs) or 1.0, reward_on="episode")
+    await env.reset({"question": "q"})
+    first = call("calculator", {"expression": "3+4"})
+    await env.step(action(tokenizer, first))
+    await env.step(action(tokenizer, "<answer>7</answer>"))
+    assert seen == [[first, "<answer>7</answer>"]]
+    with pytest.raises(ValueError, match="max_tool_tokens must be >= 1"):
+        ToolEnv(TOOLS, ChatFormat(tokenizer), max_tool_tokens=0)

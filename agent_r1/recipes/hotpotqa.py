@@ -1,0 +1,127 @@
+"""HotpotQA with a search tool: multi-hop questions answered after searching a Wikipedia-paragraph corpus.
+
+Data: ../shared/data/hotpotqa/{train,dev}.jsonl (HotpotQA distractor, Hugging Face layout, CC BY-SA
+4.0); train.jsonl is the training split, dev.jsonl the held-out one. The retrieval corpus is every
+context paragraph of both files, pooled and de-duplicated by title (5,912 passages). Reward: Agent-R1's
+`qa_em_and_format` (min(format, 0.5) + answer; docs/rewards.md), with EM, F1, sub-EM and format logged.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from agent_r1.data.demos import call_text
+from agent_r1.data.jsonl import load_tasks
+from agent_r1.env.prompt_format import PromptFormat
+from agent_r1.env.tool_calls import extract_answer, format_tool_responses
+from agent_r1.env.tool_env import ToolEnv, truncate_to_tokens
+from agent_r1.retrieval import Passage, Retriever, load_retriever, search_tool
+from agent_r1.rewards.qa import exact_match, f1_score, qa_answer_score, qa_format_score, sub_exact_match
+from agent_r1.types import Message
+
+DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "hotpotqa"
+
+INSTRUCTIONS = (
+    "Answer the question. Search for the facts you need, one search per turn, as many times as needed. "
+    "In every turn first think briefly inside <think></think>, then either call the search tool or give "
+    "the final short answer inside <answer></answer>."
+)
+
+
+def load(path: str | Path | None = None, held_out: bool = False, n: int | None = None) -> list[dict[str, Any]]:
+    """Tasks of one split: question, answer, type, and the titles of the supporting paragraphs."""
+    path = Path(path) if path else DATA_DIR / ("dev.jsonl" if held_out else "train.jsonl")
+    tasks = []
+    for row in load_tasks(path):
+        if "answer" not in row:
+            raise ValueError(f"{path}: a HotpotQA row needs 'question' and 'answer'")
+        support = list(dict.fromkeys((row.get("supporting_facts") or {}).get("title", [])))
+        tasks.append(
+            {"id": row.get("id"), "question": row["question"], "answer": row["answer"],
+             "type": row.get("type"), "supporting_titles": support}
+        )  # fmt: skip
+    return tasks[:n] if n is not None else tasks
+
+
+def corpus(paths: Sequence[str | Path] | None = None) -> list[Passage]:
+    """Every context paragraph of the files, first occurrence per title (titles name Wikipedia pages)."""
+    paths = paths or [DATA_DIR / "train.jsonl", DATA_DIR / "dev.jsonl"]
+    seen: dict[str, Passage] = {}
+    for path in paths:
+        for row in load_tasks(path):
+            context = row.get("context") or {}
+            for title, sentences in zip(context.get("title", []), context.get("sentences", []), strict=True):
+                if title not in seen:
+                    seen[title] = Passage(title, "".join(sentences).strip())
+    return list(seen.values())
+
+
+def retriever_for(kind: str = "bm25", extra: Sequence[str | Path] = ()) -> Retriever:
+    """`bm25` or `dense` over the corpus (the shared files that exist + `extra` files), or the URL of
+    an `agent-r1 retrieval-server` that many rollout workers share."""
+    if kind.startswith(("http://", "https://")):
+        from agent_r1.retrieval.server import RemoteRetriever
+
+        return RemoteRetriever(kind)
+    paths = [p for p in (DATA_DIR / "train.jsonl", DATA_DIR / "dev.jsonl") if p.is_file()] + list(extra)
+    return _cached_retriever(kind, tuple(str(p) for p in paths))
+
+
+@functools.cache
+def _cached_retriever(kind: str, paths: tuple[str, ...]) -> Retriever:
+    return load_retriever(corpus(paths), kind)
+
+
+def reward(task: dict[str, Any], responses: list[str]) -> tuple[float, dict[str, float]]:
+    """Agent-R1's qa_em_and_format over the episode's responses, with EM / F1 / sub-EM of the answer."""
+    answer = extract_answer(responses[-1]) if responses else None
+    pred = answer if answer is not None else ""
+    fmt = qa_format_score(responses)
+    total = min(fmt, 0.5) + (qa_answer_score(responses[-1], task["answer"]) if responses else 0.0)
+    em = exact_match(pred, task["answer"]) if answer is not None else 0.0
+    parts = {
+        "correct": em,
+        "em": em,
+        "f1": f1_score(pred, task["answer"]) if answer is not None else 0.0,
+        "sub_em": sub_exact_match(pred, task["answer"]) if answer is not None else 0.0,
+        "format": fmt,
+    }
+    return total, parts
+
+
+def make_env(
+    prompt_format: PromptFormat,
+    retriever: Retriever,
+    max_turns: int = 4,
+    max_tool_tokens: int = 256,
+) -> ToolEnv:
+    """A ToolEnv with `search`; each tool response is cut to `max_tool_tokens` tokens."""
+    return ToolEnv(
+        {"search": search_tool(retriever)},
+        prompt_format,
+        reward,
+        instructions=INSTRUCTIONS,
+        max_turns=max_turns,
+        max_tool_tokens=max_tool_tokens,
+        reward_on="episode",
+    )
+
+
+def demo(task: dict[str, Any], env: ToolEnv) -> list[Message]:
+    """A cold-start demonstration: search each supporting paragraph's title, then answer.
+
+    The tool responses come from `env`'s own search tool and token cut, so SFT shows exactly what a
+    rollout would see, whether or not the search found the paragraph."""
+    messages: list[Message] = [{"role": "user", "content": task["question"]}]
+    for title in task["supporting_titles"]:
+        think = f"<think>I need to know about {title}.</think>\n"
+        messages.append({"role": "assistant", "content": think + call_text("search", {"query": title})})
+        output = env.tools["search"].fn(title)
+        if env.max_tool_tokens is not None:
+            output, _ = truncate_to_tokens(output, env.format.tokenizer, env.max_tool_tokens)
+        messages.append({"role": "user", "content": format_tool_responses([output])})
+    answer = f"<think>I have what I need.</think>\n<answer>{task['answer']}</answer>"
+    return [*messages, {"role": "assistant", "content": answer}]
