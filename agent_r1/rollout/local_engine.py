@@ -29,7 +29,6 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from agent_r1.rollout.engine import GenerateOutput, SamplingParams
 
-
 TokenCallback = Callable[[int, int, float], None]  # (index of the prompt in its call, token id, log-prob)
 RowHook = Callable[[int, int, float], bool]  # (batch row, token id, log-prob) -> keep decoding this row
 
