@@ -385,7 +385,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         return APIError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}")
     loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-    return APIError(400, f"{loc or 'body'}: {first.get('msg', 'invalid value')}", param=loc or None)
+    if not loc:
+        return APIError(400, "request body must be a JSON object")
+    return APIError(400, f"{loc}: {first.get('msg', 'invalid value')}", param=loc)
 
 
 async def _disconnected(request: Request) -> None:
