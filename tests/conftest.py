@@ -76,7 +76,7 @@ def tool_model_dir(tokenizer, tmp_path_factory):
     call_text = format_tool_call("calculator", {"expression": "6 * 7"})
     call = tokenizer.encode(call_text, add_special_tokens=False)
     obs, *_ = asyncio.run(env.step(Action(call, [0.0] * len(call), call_text, "stop")))
-    answer = tokenizer.encode(TOOL_ANSWER, add_special_tokens=False) + [tokenizer.eos_token_id]
+    answer = [*tokenizer.encode(TOOL_ANSWER, add_special_tokens=False), tokenizer.eos_token_id]
     ids = torch.tensor([obs.token_ids + answer])  # [1, T]
     trained = torch.zeros_like(ids, dtype=torch.bool)  # the sampled tokens: the call and the answer
     trained[0, len(prompt) : len(prompt) + len(call)] = True
