@@ -49,4 +49,3 @@ def test_format_tool_call_round_trips_through_the_parser():
     text = format_tool_call("calculator", {"expression": "6 * 7"})
     assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>")
     assert parse_tool_calls(text) == [ParsedCall("calculator", {"expression": "6 * 7"})]
-
