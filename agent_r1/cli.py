@@ -1,67 +1,96 @@
 """`agent-r1 <command> [CONFIG.yaml] [key.sub=value ...]`.
 
 Every command takes an optional YAML config and `key=value` overrides into its one typed config.
-Bad input (unknown key, missing model, unreadable data) ends with one line naming what is wrong.
+`--key value` (and a bare `--flag` for a boolean) is the same as `key=value`, for the commands people
+type by hand (`agent-r1 chat --model DIR --tools calculator,echo`). Bad input (unknown key, missing
+model, unreadable data) ends with one line naming what is wrong.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import typing
 
+from agent_r1.chat import ChatConfig, run_chat
 from agent_r1.config import ConfigError, describe, load_config
 from agent_r1.evaluate import EvalConfig, run_eval
 from agent_r1.observe.plot import PlotConfig, plot_run
 from agent_r1.observe.viewer.app import ViewConfig, serve_viewer
 from agent_r1.pipeline import DemoConfig, run_demo
 from agent_r1.retrieval.server import RetrievalServerConfig, serve_retrieval
+from agent_r1.serve.server import ServeConfig, run_serve
 from agent_r1.trainer.config import TrainConfig
+from agent_r1.trainer.export import ExportConfig, run_export
 from agent_r1.trainer.rl import train
 from agent_r1.trainer.sft import SFTConfig, sft
 
-# name: (config class, entry point, help, config field a bare argument fills; None = a YAML config file)
 COMMANDS = {
-    "demo": (DemoConfig, run_demo, "the main job: eval -> SFT cold start -> RL -> eval, with a results table", None),
-    "train": (TrainConfig, train, "RL on a recipe (GRPO, PPO, REINFORCE++, RLOO, ...)", None),
-    "sft": (SFTConfig, sft, "cold-start SFT on multi-turn tool-use demonstrations", None),
-    "eval": (EvalConfig, run_eval, "evaluate a model on a recipe's tasks with its tools", None),
-    "view": (ViewConfig, serve_viewer, "browse a run's trajectories in a local web page", "run_dir"),
-    "plot": (PlotConfig, plot_run, "PNG curves of a run's metrics (reward, accuracy, tools, KL, entropy)", "run_dir"),
-    "retrieval-server": (
-        RetrievalServerConfig,
-        serve_retrieval,
-        "serve a search index over HTTP to rollout workers",
-        None,
-    ),
+    "demo": (DemoConfig, run_demo, "the main job: eval -> SFT cold start -> RL -> eval, with a results table"),
+    "train": (TrainConfig, train, "RL on a recipe (GRPO, PPO, REINFORCE++, RLOO, ...)"),
+    "sft": (SFTConfig, sft, "cold-start SFT on multi-turn tool-use demonstrations"),
+    "eval": (EvalConfig, run_eval, "evaluate a model on a recipe's tasks with its tools"),
+    "chat": (ChatConfig, run_chat, "talk to a tool-using model in the terminal, or answer one --prompt"),
+    "serve": (ServeConfig, run_serve, "OpenAI-compatible server: chat with tools, token-id completions"),
+    "export": (ExportConfig, run_export, "checkpoint -> Hugging Face directory (LoRA merged)"),
+    "view": (ViewConfig, serve_viewer, "browse a run's trajectories in a local web page"),
+    "plot": (PlotConfig, plot_run, "PNG curves of a run's metrics (reward, accuracy, tools, KL, entropy)"),
+    "retrieval-server": (RetrievalServerConfig, serve_retrieval, "serve a search index to rollout workers"),
 }
+# a bare argument that is not a .yaml file sets this key
+POSITIONAL = {"export": "checkpoint", "view": "run_dir", "plot": "run_dir"}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agent-r1", description="RL for multi-turn, tool-using LLM agents")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (cls, _, help_text, positional) in COMMANDS.items():
+    for name, (cls, _, help_text) in COMMANDS.items():
         p = sub.add_parser(
             name,
             help=help_text,
-            epilog="config keys:\n" + describe(cls),
+            epilog="config keys (set as key=value or --key value):\n" + describe(cls),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        p.add_argument("args", nargs="*", metavar=f"{(positional or 'CONFIG.yaml').upper()} | key=value")
+        p.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in COMMANDS:
+        argv = [argv[0], *flags_to_overrides(COMMANDS[argv[0]][0], argv[1:])]
     ns = parser.parse_args(argv)
-    cls, run, _, positional = COMMANDS[ns.command]
+    cls, run, _ = COMMANDS[ns.command]
     paths = [a for a in ns.args if "=" not in a]
     overrides = [a for a in ns.args if "=" in a]
+    if (key := POSITIONAL.get(ns.command)) and paths and not paths[0].endswith((".yaml", ".yml")):
+        overrides.insert(0, f"{key}={json.dumps(paths.pop(0))}")
     try:
         if len(paths) > 1:
-            raise ConfigError(f"give at most one {positional or 'config file'}, got {', '.join(paths)}")
-        if positional and paths:
-            overrides.insert(0, f"{positional}={paths.pop()}")
+            raise ConfigError(f"give at most one config file, got {', '.join(paths)}")
         cfg = load_config(cls, paths[0] if paths else None, overrides)
         run(cfg)
     except (ConfigError, ValueError, OSError) as exc:
         print(f"agent-r1 {ns.command}: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def flags_to_overrides(cls: type, args: list[str]) -> list[str]:
+    """`--key value`, `--key=value` and a bare boolean `--flag` -> `key=value`. Values of string keys
+    are quoted, so a prompt such as "Compute: 6*7" stays a string instead of being read as YAML."""
+    hints = typing.get_type_hints(cls)
+    out: list[str] = []
+    rest = iter(args)
+    for arg in rest:
+        if not arg.startswith("--") or arg == "--help":
+            out.append(arg)
+            continue
+        key, eq, value = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        kind = hints.get(key)
+        if not eq:
+            value = "true" if kind is bool else next(rest, "")
+        literal = kind in (str, str | None) and not eq  # `--key=value` keeps YAML parsing
+        out.append(f"{key}={json.dumps(value, ensure_ascii=False) if literal else value}")
+    return out
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -50,3 +52,70 @@ def recompute_logprobs(model, input_ids: list[int], temperature: float = 1.0) ->
     with torch.no_grad():
         logits = model(ids).logits[0, :-1].float() / temperature  # [T-1, V]
     return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+
+
+TOOL_QUESTION = "What is 6 * 7?"
+TOOL_ANSWER = "The answer is 42."
+
+
+@pytest.fixture(scope="session")
+def tool_model_dir(tokenizer, tmp_path_factory):
+    """A tiny Llama overfit, in a few seconds, on one real calculator episode rendered exactly as
+    `ToolEnv` renders it: asked TOOL_QUESTION with the calculator tool, it really writes the call,
+    then (after the real tool result) TOOL_ANSWER. Chat and server tests thus see genuine tool calls."""
+    import asyncio
+
+    from agent_r1.env.prompt_format import ChatFormat
+    from agent_r1.env.tool_calls import format_tool_call
+    from agent_r1.env.tool_env import ToolEnv
+    from agent_r1.tools import calculator
+    from agent_r1.types import Action
+
+    env = ToolEnv({"calculator": calculator}, ChatFormat(tokenizer))
+    prompt = asyncio.run(env.reset({"question": TOOL_QUESTION})).token_ids
+    call_text = format_tool_call("calculator", {"expression": "6 * 7"})
+    call = tokenizer.encode(call_text, add_special_tokens=False)
+    obs, *_ = asyncio.run(env.step(Action(call, [0.0] * len(call), call_text, "stop")))
+    answer = [*tokenizer.encode(TOOL_ANSWER, add_special_tokens=False), tokenizer.eos_token_id]
+    ids = torch.tensor([obs.token_ids + answer])  # [1, T]
+    trained = torch.zeros_like(ids, dtype=torch.bool)  # the sampled tokens: the call and the answer
+    trained[0, len(prompt) : len(prompt) + len(call)] = True
+    trained[0, -len(answer) :] = True
+
+    model = make_tiny_llama(len(tokenizer), eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id, seed=1).train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    targets = ids[0, 1:][trained[0, 1:]]  # [K]
+    for _ in range(200):
+        hidden = model.model(ids).last_hidden_state[0, :-1][trained[0, 1:]]  # [K, H]: the vocab head runs on K rows
+        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if loss.item() < 0.01:
+            break
+    out = tmp_path_factory.mktemp("tool_model")
+    model.eval().save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@contextlib.contextmanager
+def serving(app):
+    """Run an ASGI app with uvicorn on a free loopback port in a thread; yield its base URL."""
+    import threading
+    import time
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

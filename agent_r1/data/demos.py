@@ -12,14 +12,13 @@ result comes back as a tool response), and the synthetic word problems of the ca
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from agent_r1.env.prompt_format import PromptFormat
-from agent_r1.env.tool_calls import format_tool_responses
+from agent_r1.env.tool_calls import format_tool_call, format_tool_responses
 from agent_r1.rollout.merge import merge_trajectory
 from agent_r1.tools.calculator import evaluate, format_number
 from agent_r1.types import Message, Step, TrainSequence, Trajectory
@@ -28,14 +27,9 @@ _ANNOTATION = re.compile(r"<<([^=<>]+)=([^<>]*)>>")
 _FINAL = re.compile(r"####\s*(.+)\s*$")
 
 
-def call_text(name: str, arguments: dict[str, Any]) -> str:
-    """The hermes call the model is taught to write."""
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
-
-
 def tool_call_text(expression: str) -> str:
-    """One calculator computation as a hermes call."""
-    return call_text("calculator", {"expression": expression})
+    """The hermes call the model is taught to write for one calculator computation."""
+    return format_tool_call("calculator", {"expression": expression})
 
 
 def calculator_result(expression: str) -> str:

@@ -12,6 +12,7 @@ import json
 import re
 from dataclasses import dataclass
 
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -45,6 +46,12 @@ def parse_tool_calls(text: str) -> list[ParsedCall | ParseError]:
             continue
         calls.append(ParsedCall(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
     return calls
+
+
+def format_tool_call(name: str, arguments: object) -> str:
+    """One call exactly as the model is taught to write it (demonstrations, chat history, the server)."""
+    payload = json.dumps({"name": name, "arguments": arguments})
+    return f"{CALL_OPEN}\n{payload}\n{CALL_CLOSE}"
 
 
 def extract_answer(text: str) -> str | None:

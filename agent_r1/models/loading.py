@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -44,6 +45,7 @@ BUNDLED: dict[str, BundledModel] = {
         chat=False,
     ),
 }
+EXPORT_INFO = "agent_r1.json"  # written by `agent-r1 export` next to the weights: how the model is prompted
 DEFAULT_MODEL = "smollm2-135m-instruct"  # why: see docs/models.md (speed on CPU and a chat template)
 
 
@@ -127,6 +129,9 @@ def is_chat_model(name_or_path: str, tokenizer: PreTrainedTokenizerBase) -> bool
     name = DEFAULT_MODEL if name_or_path == "default" else name_or_path
     if name in BUNDLED:
         return BUNDLED[name].chat
+    recorded = Path(name).expanduser() / EXPORT_INFO  # `agent-r1 export` records the trained format
+    if recorded.is_file():
+        return json.loads(recorded.read_text()).get("prompt_format") == "chat"
     return bool(tokenizer.chat_template)
 
 

@@ -13,10 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agent_r1.data.demos import call_text
 from agent_r1.data.jsonl import load_tasks
 from agent_r1.env.prompt_format import PromptFormat
-from agent_r1.env.tool_calls import extract_answer, format_tool_responses
+from agent_r1.env.tool_calls import extract_answer, format_tool_call, format_tool_responses
 from agent_r1.env.tool_env import ToolEnv, truncate_to_tokens
 from agent_r1.retrieval import Passage, Retriever, load_retriever, search_tool
 from agent_r1.rewards.qa import exact_match, f1_score, qa_answer_score, qa_format_score, sub_exact_match
@@ -118,7 +117,7 @@ def demo(task: dict[str, Any], env: ToolEnv) -> list[Message]:
     messages: list[Message] = [{"role": "user", "content": task["question"]}]
     for title in task["supporting_titles"]:
         think = f"<think>I need to know about {title}.</think>\n"
-        messages.append({"role": "assistant", "content": think + call_text("search", {"query": title})})
+        messages.append({"role": "assistant", "content": think + format_tool_call("search", {"query": title})})
         output = env.tools["search"].fn(title)
         if env.max_tool_tokens is not None:
             output, _ = truncate_to_tokens(output, env.format.tokenizer, env.max_tool_tokens)

@@ -8,13 +8,20 @@ running tool calls while the model decodes.
 
 Each row samples from its own seeded generator, so a request's tokens do not depend on which other
 requests happened to share its batch (up to fp32 rounding differences between batch shapes).
+
+Serving needs two more things from the decode loop, and gets them without a second code path:
+`generate(..., on_token=...)` reports every sampled token as it is decoded (for streaming), and a
+caller that is cancelled (a client that disconnected, a request that timed out) has its row dropped
+from the batch at the next token instead of decoding to the end for nobody.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,12 +29,16 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from agent_r1.rollout.engine import GenerateOutput, SamplingParams
 
+TokenCallback = Callable[[int, int, float], None]  # (index of the prompt in its call, token id, log-prob)
+RowHook = Callable[[int, int, float], bool]  # (batch row, token id, log-prob) -> keep decoding this row
+
 
 @dataclass
 class _Request:
     prompt: list[int]
     seed: int
     future: asyncio.Future
+    on_token: Callable[[int, float], None] | None = None  # runs on the caller's event loop
 
 
 class LocalEngine:
@@ -56,12 +67,21 @@ class LocalEngine:
         self._pending: dict[SamplingParams, list[_Request]] = {}
         self._worker: asyncio.Task | None = None
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerateOutput]:
-        """Queue the prompts; they are decoded together with whatever else is pending."""
+    async def generate(
+        self, prompts: list[list[int]], params: SamplingParams, on_token: TokenCallback | None = None
+    ) -> list[GenerateOutput]:
+        """Queue the prompts; they are decoded together with whatever else is pending.
+
+        `on_token(i, token_id, logprob)` is called on this event loop for every token sampled for
+        prompt i, in order, before `generate` returns. Cancelling the call stops its rows.
+        """
         loop = asyncio.get_running_loop()
         key = dataclasses.replace(params, seed=None)  # the seed is per request, not a batch property
         base = params.seed if params.seed is not None else self._seeds.getrandbits(62)
-        requests = [_Request(list(p), base + i, loop.create_future()) for i, p in enumerate(prompts)]
+        requests = [
+            _Request(list(p), base + i, loop.create_future(), on_token and functools.partial(on_token, i))
+            for i, p in enumerate(prompts)
+        ]
         self._pending.setdefault(key, []).extend(requests)
         if self._worker is None or self._worker.done():
             self._worker = loop.create_task(self._drain())
@@ -77,9 +97,16 @@ class LocalEngine:
                 self._pending[params] = rest
             else:
                 del self._pending[params]
+            batch = [r for r in batch if not r.future.cancelled()]  # callers that gave up while queued
+            if not batch:
+                continue
             try:
                 outputs = await asyncio.to_thread(
-                    self.generate_batch, [r.prompt for r in batch], params, [r.seed for r in batch]
+                    self.generate_batch,
+                    [r.prompt for r in batch],
+                    params,
+                    [r.seed for r in batch],
+                    _row_hook(batch, asyncio.get_running_loop()),
                 )
             except Exception as exc:  # surface engine failures to every waiting caller
                 for r in batch:
@@ -92,9 +119,13 @@ class LocalEngine:
 
     @torch.inference_mode()
     def generate_batch(
-        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]
+        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], on_token: RowHook | None = None
     ) -> list[GenerateOutput]:
-        """Synchronously sample one response per prompt (the decode loop; shapes in comments)."""
+        """Synchronously sample one response per prompt (the decode loop; shapes in comments).
+
+        `on_token(row, token, logprob)` sees every sampled token; returning False aborts that row
+        (finish_reason "abort"), which leaves the batch and the KV cache like a finished row.
+        """
         B = len(prompts)
         if min(len(p) for p in prompts) == 0:
             raise ValueError("cannot generate from an empty prompt")
@@ -136,7 +167,9 @@ class LocalEngine:
                 tok = int(tokens[j])
                 out_ids[i].append(tok)
                 out_lp[i].append(float(logprobs[j]))
-                if tok in self.eos_ids:
+                if on_token is not None and not on_token(i, tok, out_lp[i][-1]):
+                    finish[i] = "abort"
+                elif tok in self.eos_ids:
                     finish[i] = "eos"
                 elif params.stop and _hits_stop(self.tokenizer, out_ids[i][-window:], params.stop):
                     finish[i] = "stop"
@@ -191,6 +224,21 @@ class LocalEngine:
             text = self.tokenizer.decode(shown, skip_special_tokens=False)
             outs.append(GenerateOutput(token_ids=ids, logprobs=lp, text=text, finish_reason=fin, prompt_len=len(p)))
         return outs
+
+
+def _row_hook(batch: list[_Request], loop: asyncio.AbstractEventLoop) -> RowHook:
+    """The decode thread's per-token hook: forward the token to its caller's callback on the event
+    loop, and stop rows whose caller was cancelled (reading `cancelled()` from a thread is safe)."""
+
+    def hook(row: int, token: int, logprob: float) -> bool:
+        request = batch[row]
+        if request.future.cancelled():
+            return False
+        if request.on_token is not None:
+            loop.call_soon_threadsafe(request.on_token, token, logprob)
+        return True
+
+    return hook
 
 
 def _sample(

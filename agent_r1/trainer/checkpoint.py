@@ -78,20 +78,25 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restore modules, optimizer, scheduler and RNG states; return meta (step, data cursor, ...)."""
     for name, module in modules.items():
-        state = load_file(str(path / f"{name}.safetensors"))
-        missing = set(state) - {n for n, _ in module.named_parameters()}
-        if missing:
-            raise ValueError(f"checkpoint {path} does not match the model: unknown tensors {sorted(missing)[:3]}")
-        params = dict(module.named_parameters())
-        with torch.no_grad():
-            for n, t in state.items():
-                params[n].copy_(t)
+        load_trained_state(path / f"{name}.safetensors", module)
     trainer_state = torch.load(path / "trainer_state.pt", weights_only=False)
     optimizer.load_state_dict(trainer_state["optimizer"])
     scheduler.load_state_dict(trainer_state["scheduler"])
     torch.set_rng_state(trainer_state["torch_rng"])
     random.setstate(trainer_state["python_rng"])
     return json.loads((path / "meta.json").read_text())
+
+
+def load_trained_state(file: Path, module: torch.nn.Module) -> None:
+    """Copy the tensors `save_checkpoint` wrote for `module` back into it (a tensor it lacks is an error)."""
+    state = load_file(str(file))
+    params = dict(module.named_parameters())
+    missing = set(state) - set(params)
+    if missing:
+        raise ValueError(f"checkpoint {file.parent} does not match the model: unknown tensors {sorted(missing)[:3]}")
+    with torch.no_grad():
+        for n, t in state.items():
+            params[n].copy_(t)
 
 
 def _complete(root: Path) -> list[tuple[int, Path]]:

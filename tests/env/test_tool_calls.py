@@ -2,6 +2,7 @@ from agent_r1.env.tool_calls import (
     ParsedCall,
     ParseError,
     extract_answer,
+    format_tool_call,
     format_tool_responses,
     parse_tool_calls,
 )
@@ -42,3 +43,9 @@ def test_answer_tag_and_response_format():
         format_tool_responses(["a", "b"])
         == "<tool_response>\na\n</tool_response>\n<tool_response>\nb\n</tool_response>"
     )
+
+
+def test_format_tool_call_round_trips_through_the_parser():
+    text = format_tool_call("calculator", {"expression": "6 * 7"})
+    assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>")
+    assert parse_tool_calls(text) == [ParsedCall("calculator", {"expression": "6 * 7"})]

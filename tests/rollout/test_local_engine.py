@@ -1,4 +1,5 @@
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -90,14 +91,46 @@ def test_context_budget_caps_new_tokens(engine, tokenizer):
 async def test_concurrent_calls_are_batched_together(engine, tokenizer):
     calls = []
     original = engine.generate_batch
-    engine.generate_batch = lambda prompts, params, seeds: (
-        calls.append(len(prompts)) or original(prompts, params, seeds)
+    engine.generate_batch = lambda prompts, params, seeds, hook: (
+        calls.append(len(prompts)) or original(prompts, params, seeds, hook)
     )
     prompts = prompts_of(tokenizer)
     params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=3)
     outs = await asyncio.gather(*(engine.generate([p], params) for p in prompts))
     assert calls == [3]
     assert all(len(o[0].token_ids) == 4 for o in outs)
+
+
+async def test_on_token_streams_every_sampled_token_in_order(engine, tokenizer):
+    prompts = prompts_of(tokenizer)[:2]
+    seen: dict[int, list[tuple[int, float]]] = {0: [], 1: []}
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=5)
+    outs = await engine.generate(prompts, params, on_token=lambda i, tok, lp: seen[i].append((tok, lp)))
+    for i, out in enumerate(outs):
+        assert [t for t, _ in seen[i]] == out.token_ids and [lp for _, lp in seen[i]] == out.logprobs
+    assert [o.token_ids for o in outs] == [o.token_ids for o in await engine.generate(prompts, params)]
+
+
+async def test_cancelled_caller_stops_its_row_and_others_finish(engine, tokenizer):
+    finishes = []
+    original = engine.generate_batch
+
+    def spy(prompts, params, seeds, hook):
+        outs = original(prompts, params, seeds, hook)
+        finishes.extend(o.finish_reason for o in outs)
+        return outs
+
+    engine.generate_batch = spy
+    first_token = asyncio.Event()
+    params = SamplingParams(max_new_tokens=400, temperature=0.0)
+    doomed = asyncio.create_task(engine.generate([prompts_of(tokenizer)[0]], params, lambda *_: first_token.set()))
+    survivor = asyncio.create_task(engine.generate([prompts_of(tokenizer)[1]], dataclasses.replace(params, seed=1)))
+    await first_token.wait()
+    doomed.cancel()
+    (out,) = await survivor
+    assert finishes.count("abort") == 1 and len(out.token_ids) == 400  # the other row decoded to its budget
+    with pytest.raises(asyncio.CancelledError):
+        await doomed
 
 
 async def test_engine_failure_reaches_every_caller(engine):

@@ -1,0 +1,270 @@
+"""`agent-r1 chat`: talk to a model that uses tools, in the terminal or for one prompt.
+
+Each user message runs the same agent loop as training (`AgentEnvLoop` over a `ToolEnv` with the
+chosen tools), so what you see is what the policy does in rollouts: its prose streams token by token,
+and each tool call and tool result is shown in its own panel as it happens. The conversation (tool
+calls and results included) is kept as history for the next message. `--prompt` runs one message
+and prints only the final answer, or with `--json` the whole trajectory (exact ids and log-probs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+
+from agent_r1.env.base import StepResult
+from agent_r1.env.prompt_format import PromptFormat, prompt_format_for
+from agent_r1.env.tool_calls import CALL_OPEN, extract_answer
+from agent_r1.env.tool_env import ToolEnv
+from agent_r1.models.loading import is_chat_model, load_model
+from agent_r1.rollout.agent_loop import AgentEnvLoop
+from agent_r1.rollout.engine import Engine, GenerateOutput, SamplingParams
+from agent_r1.rollout.local_engine import LocalEngine
+from agent_r1.rollout.text_stream import TextStream, visible_prefix
+from agent_r1.tools import BUILTIN_TOOLS, Tool
+from agent_r1.types import Action, Message, Observation, Trajectory
+
+COMMANDS = {"/reset": "forget the conversation", "/tools": "list the tools", "/exit": "quit (or Ctrl-D)"}
+
+
+@dataclass
+class ChatConfig:
+    model: str = "default"
+    """"default", a bundled model name, a Hugging Face directory or an `agent-r1 export` directory"""
+    tools: tuple[str, ...] = ("calculator",)
+    """tools the model may call, comma-separated (built-in: calculator, echo)"""
+    prompt: str | None = None
+    """answer this one message and exit, printing only the final answer (no terminal session)"""
+    json: bool = False
+    """with prompt: print the whole trajectory and history as JSON instead of the answer"""
+    system: str = ""
+    """instructions put before the tool descriptions in the system prompt"""
+    max_turns: int = 4
+    """model turns per user message (each tool call costs one)"""
+    max_new_tokens: int = 256
+    """sampled tokens per model turn"""
+    temperature: float = 0.0
+    """0 = greedy"""
+    top_p: float = 1.0
+    """nucleus sampling mass"""
+    seed: int = 0
+    """sampling seed"""
+    prompt_format: Literal["auto", "chat", "text"] = "auto"
+    """chat template or plain text; auto = chat when the model has a template"""
+
+    def __post_init__(self) -> None:
+        self.tools = tuple(t.strip() for item in self.tools for t in item.split(",") if t.strip())
+        unknown = [t for t in self.tools if t not in BUILTIN_TOOLS]
+        if unknown:
+            raise ValueError(f"unknown tool {unknown[0]!r}; available tools: {', '.join(BUILTIN_TOOLS)}")
+        if self.json and self.prompt is None:
+            raise ValueError("--json needs --prompt (it prints one trajectory)")
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+        _ = self.sampling  # validates temperature, top_p and max_new_tokens before the model loads
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
+
+
+StepCallback = Callable[[Action, StepResult], None]
+
+
+class ChatSession:
+    """A conversation with a tool-using model: history + one agent-loop episode per user message."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        prompt_format: PromptFormat,
+        tools: Mapping[str, Tool],
+        sampling: SamplingParams,
+        *,
+        instructions: str = "",
+        max_turns: int = 4,
+        seed: int | None = 0,
+    ) -> None:
+        self.engine = engine
+        self.format = prompt_format
+        self.tools = dict(tools)
+        self.sampling = sampling
+        self.instructions = instructions
+        self.max_turns = max_turns
+        self.seed = seed
+        self.history: list[Message] = []  # user, assistant (tool calls included) and tool-result turns
+
+    def make_env(self) -> ToolEnv:
+        """The env of one user message; its system prompt is what a model trained with these tools saw."""
+        return ToolEnv(self.tools, self.format, instructions=self.instructions, max_turns=self.max_turns)
+
+    def reset(self) -> None:
+        self.history = []
+
+    async def send(
+        self, text: str, on_token: Callable[[int], None] | None = None, on_step: StepCallback | None = None
+    ) -> Trajectory:
+        """Run the agent on the history + `text` until it answers; the history then holds the new turns."""
+        envs: list[ToolEnv] = []
+
+        def make_env() -> _WatchedEnv:
+            envs.append(self.make_env())
+            return _WatchedEnv(envs[-1], on_step)
+
+        engine = _StreamingEngine(self.engine, on_token) if on_token else self.engine
+        loop = AgentEnvLoop(engine, make_env, self.sampling, seed=self.seed)
+        (traj,) = await loop.run([{"messages": [*self.history, {"role": "user", "content": text}]}])
+        if envs and hasattr(envs[0], "messages"):
+            self.history = envs[0].messages[len(envs[0].prompt_prefix) :]
+        return traj
+
+    def final_answer(self, traj: Trajectory) -> str:
+        """The last turn's answer: its `<answer>` tag if it wrote one, else its prose."""
+        if traj.error:
+            return f"[error: {traj.error}]"
+        text = traj.steps[-1].text if traj.steps else ""
+        answer = extract_answer(text)
+        return answer if answer is not None else visible_prefix(text, (CALL_OPEN, *self.format.stop), True).strip()
+
+
+class _StreamingEngine:
+    """The engine, reporting every sampled token of this session's single trajectory."""
+
+    def __init__(self, engine: Engine, on_token: Callable[[int], None]) -> None:
+        self.engine = engine
+        self.max_context = engine.max_context
+        self.on_token = on_token
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerateOutput]:
+        return await self.engine.generate(prompts, params, lambda _, token, __: self.on_token(token))  # type: ignore[call-arg]
+
+
+class _WatchedEnv:
+    """A `ToolEnv` that reports each step, so the terminal shows tool calls and results as they happen."""
+
+    def __init__(self, env: ToolEnv, on_step: StepCallback | None) -> None:
+        self.env = env
+        self.stop = env.stop
+        self.on_step = on_step
+
+    async def reset(self, task: dict[str, Any]) -> Observation:
+        return await self.env.reset(task)
+
+    async def step(self, action: Action) -> StepResult:
+        result = await self.env.step(action)
+        if self.on_step is not None:
+            self.on_step(action, result)
+        return result
+
+
+def run_chat(cfg: ChatConfig, console: Console | None = None) -> None:
+    console = console or Console(highlight=False)
+    model, tokenizer = load_model(cfg.model)
+    chat = is_chat_model(cfg.model, tokenizer) if cfg.prompt_format == "auto" else cfg.prompt_format == "chat"
+    engine = LocalEngine(model, tokenizer, seed=cfg.seed)
+    session = ChatSession(
+        engine, prompt_format_for(tokenizer, chat=chat), {t: BUILTIN_TOOLS[t] for t in cfg.tools}, cfg.sampling,
+        instructions=cfg.system, max_turns=cfg.max_turns, seed=cfg.seed,
+    )  # fmt: skip
+    if cfg.prompt is not None:
+        traj = asyncio.run(session.send(cfg.prompt))
+        if cfg.json:
+            print(json.dumps({"history": session.history, "trajectory": dataclasses.asdict(traj)}, default=str))
+        else:
+            print(session.final_answer(traj))
+        return
+    _Terminal(session, console, cfg.model).run()
+
+
+class _Terminal:
+    """The interactive session: read a line, stream the agent's turns, repeat."""
+
+    def __init__(self, session: ChatSession, console: Console, model_name: str) -> None:
+        self.session = session
+        self.console = console
+        self.model_name = model_name
+        engine = session.engine
+        self.eos_ids = getattr(engine, "eos_ids", ())
+        self.tokenizer = engine.tokenizer  # type: ignore[attr-defined]
+        self.text = self._new_stream()
+
+    def run(self) -> None:
+        tools = ", ".join(self.session.tools) or "none"
+        self.console.print(f"[bold]agent-r1 chat[/] · {self.model_name} · tools: {tools}")
+        self.console.print("[dim]" + "  ".join(f"{c} {h}" for c, h in COMMANDS.items()) + "[/]")
+        with asyncio.Runner() as runner:
+            while (line := self._read()) is not None:
+                if line.startswith("/"):
+                    if not self._command(line):
+                        break
+                elif line:
+                    self._turn(runner, line)
+
+    def _read(self) -> str | None:
+        try:
+            return self.console.input("\n[bold cyan]you ›[/] ").strip()
+        except (EOFError, KeyboardInterrupt):
+            return None
+
+    def _command(self, line: str) -> bool:
+        """Run a /command; False means quit."""
+        if line in ("/exit", "/quit"):
+            return False
+        if line == "/reset":
+            self.session.reset()
+            self.console.print("[dim]conversation cleared[/]")
+        elif line == "/tools":
+            table = Table("tool", "description", "arguments")
+            for t in self.session.tools.values():
+                table.add_row(t.name, t.description, ", ".join(t.parameters.get("properties", {})))
+            self.console.print(table)
+        else:
+            self.console.print(f"[red]unknown command {line}[/]; commands: {', '.join(COMMANDS)}")
+        return True
+
+    def _turn(self, runner: asyncio.Runner, line: str) -> None:
+        self.console.print("[bold magenta]agent ›[/] ", end="")
+        self.text = self._new_stream()
+        try:
+            traj = runner.run(self.session.send(line, self._on_token, self._on_step))
+        except KeyboardInterrupt:  # Ctrl-C stops this answer (the engine drops the row), not the session
+            self.console.print("\n[yellow]interrupted[/]")
+            return
+        if traj.error:
+            self.console.print(f"\n[red]error: {traj.error}[/]")
+        self.console.print()
+
+    def _new_stream(self) -> TextStream:
+        return TextStream(self.tokenizer, self.eos_ids, (CALL_OPEN, *self.session.format.stop))
+
+    def _on_token(self, token: int) -> None:
+        self._write(self.text.push(token))
+
+    def _on_step(self, action: Action, result: StepResult) -> None:
+        """End of a model turn: finish its prose, then show its tool calls and their results."""
+        self._write(self.text.finish())
+        info = result.info
+        for call in info.get("tool_results", []):
+            args = json.dumps(call["arguments"], ensure_ascii=False)
+            self.console.print()
+            self.console.print(Panel(args, title=f"tool call · {call['name']}", border_style="yellow", expand=False))
+            style = "red" if call["error"] else "green"
+            self.console.print(Panel(call["output"], title="tool result", border_style=style, expand=False))
+        if info.get("format_errors"):
+            self.console.print(Panel(action.text, title="malformed tool call", border_style="red", expand=False))
+        if not result.done:
+            self.console.print("[bold magenta]agent ›[/] ", end="")
+        self.text = self._new_stream()
+
+    def _write(self, delta: str) -> None:
+        if delta:
+            self.console.out(delta, end="", highlight=False)
+            self.console.file.flush()

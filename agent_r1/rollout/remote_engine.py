@@ -1,0 +1,150 @@
+"""`RemoteEngine`: the `Engine` interface over HTTP, for vLLM, SGLang or `agent-r1 serve`.
+
+Token ids in, token ids + log-probs out, through the OpenAI-compatible `/v1/completions` endpoint
+with vLLM's extensions: `prompt` is a list of token ids, `return_token_ids` asks for the sampled ids
+(older vLLM: `return_tokens_as_token_ids` makes `logprobs.tokens` read "token_id:N", which is parsed
+as a fallback), `logprobs=0` for the sampled tokens' log-probs, and `include_stop_str_in_output` so a
+response that stopped at `</tool_call>` still contains it. Nothing is re-tokenized on this side.
+
+One HTTP request per prompt, sent concurrently, each with its own seed (`seed + i`, as `LocalEngine`
+does), so the server batches them and a group of identical prompts still gets distinct samples.
+
+Log-probs: `agent-r1 serve` returns log-softmax(logits / temperature), the quantity the trainer
+recomputes. vLLM returns the raw model's by default; start it with `--logprobs-mode processed_logprobs`
+to get the same quantity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+from agent_r1.rollout.engine import GenerateOutput, SamplingParams
+
+
+class RemoteEngineError(RuntimeError):
+    """The server refused or failed a request (the message is the server's)."""
+
+
+class RemoteEngine:
+    """Batched async generation by an OpenAI-compatible server that speaks token ids."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        *,
+        max_context: int | None = None,
+        timeout: float = 600.0,
+        max_connections: int = 256,
+        api_key: str | None = None,
+    ) -> None:
+        """`base_url` is the server root or its /v1. Without `model` or `max_context`, they are read
+        from `/v1/models` once, now (vLLM and agent-r1 serve report `max_model_len`)."""
+        self.base_url = base_url.rstrip("/").removesuffix("/v1") + "/v1"
+        self.timeout = timeout
+        self.limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
+        if model is None or max_context is None:
+            card = self._model_card(model)
+            model = model or card["id"]
+            max_context = max_context or int(card.get("max_model_len") or 0) or None
+        if max_context is None:
+            raise ValueError(f"{self.base_url}/models reports no max_model_len: pass max_context")
+        self.model = model
+        self.max_context = max_context
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerateOutput]:
+        """Sample one response per prompt; requests go out together, so the server can batch them."""
+        client = self._client()
+        return list(await asyncio.gather(*(self._one(client, p, params, i) for i, p in enumerate(prompts))))
+
+    async def aclose(self) -> None:
+        """Close this event loop's connection pool."""
+        client = self._clients.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            await client.aclose()
+
+    def request_body(self, prompt: list[int], params: SamplingParams, index: int = 0) -> dict[str, Any]:
+        """The `/v1/completions` body of one prompt (fields vLLM and agent-r1 serve both understand)."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "include_stop_str_in_output": True,
+            "skip_special_tokens": False,
+        }
+        if params.stop:
+            body["stop"] = list(params.stop)
+        if params.seed is not None:
+            body["seed"] = params.seed + index
+        return body
+
+    async def _one(
+        self, client: httpx.AsyncClient, prompt: list[int], params: SamplingParams, i: int
+    ) -> GenerateOutput:
+        try:
+            r = await client.post("/completions", json=self.request_body(prompt, params, i))
+        except httpx.HTTPError as exc:
+            raise RemoteEngineError(f"{self.base_url}: {type(exc).__name__}: {exc}") from exc
+        if r.status_code != 200:
+            raise RemoteEngineError(f"{self.base_url} answered {r.status_code}: {_error_message(r)}")
+        return parse_choice(r.json()["choices"][0], len(prompt))
+
+    def _client(self) -> httpx.AsyncClient:
+        """One connection pool per event loop (`AgentEnvLoop.run_sync` runs a new loop per call)."""
+        loop = asyncio.get_running_loop()
+        for old in [k for k in self._clients if k.is_closed()]:
+            del self._clients[old]
+        if loop not in self._clients:
+            self._clients[loop] = httpx.AsyncClient(
+                base_url=self.base_url, timeout=self.timeout, limits=self.limits, headers=self.headers
+            )
+        return self._clients[loop]
+
+    def _model_card(self, model: str | None) -> dict[str, Any]:
+        try:
+            r = httpx.get(f"{self.base_url}/models", timeout=self.timeout, headers=self.headers)
+            r.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise RemoteEngineError(f"cannot list models at {self.base_url}: {exc}") from None
+        cards = r.json().get("data", [])
+        for card in cards:
+            if model is None or card.get("id") == model:
+                return card
+        raise RemoteEngineError(f"{self.base_url} does not serve {model!r}: it serves {[c.get('id') for c in cards]}")
+
+
+def parse_choice(choice: dict[str, Any], prompt_len: int) -> GenerateOutput:
+    """A `/v1/completions` choice -> GenerateOutput. vLLM reports EOS as finish_reason "stop" with no
+    stop_reason (a stop token id, e.g. a second EOS, as an int); a stop string as that string."""
+    logprobs = choice.get("logprobs") or {}
+    ids = choice.get("token_ids")
+    if ids is None:  # older vLLM: only "token_id:N" strings
+        ids = [int(str(t).removeprefix("token_id:")) for t in logprobs.get("tokens") or []]
+    token_logprobs = [float(x) if x is not None else 0.0 for x in logprobs.get("token_logprobs") or []]
+    if len(token_logprobs) != len(ids):
+        raise RemoteEngineError(f"the server returned {len(ids)} token ids but {len(token_logprobs)} log-probs")
+    finish, stop_reason = choice.get("finish_reason"), choice.get("stop_reason")
+    if finish == "length":
+        reason = "length"
+    elif finish == "stop":
+        reason = "stop" if isinstance(stop_reason, str) else "eos"
+    else:
+        raise RemoteEngineError(f"unexpected finish_reason {finish!r}")
+    return GenerateOutput(list(ids), token_logprobs, choice.get("text", ""), reason, prompt_len)
+
+
+def _error_message(r: httpx.Response) -> str:
+    try:
+        return str(r.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return r.text[:300]

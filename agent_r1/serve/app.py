@@ -1,0 +1,421 @@
+"""`create_app`: an OpenAI-compatible HTTP API over a `LocalEngine`, which makes it a rollout engine too.
+
+* `/v1/chat/completions` renders messages with the model's prompt format and the same hermes tools
+  system prompt `ToolEnv` trains with, stops at `</tool_call>` as training rollouts do, and returns the
+  calls as OpenAI `tool_calls`. `stream=true` sends server-sent events.
+* `/v1/completions` takes token ids and returns token ids and log-probs (vLLM's field names), so
+  `RemoteEngine` can drive it exactly like vLLM.
+
+Every request goes through the engine's queue, so concurrent requests are decoded as one batch. Each
+has a deadline, and a client that goes away (or times out) cancels its generation: the engine drops
+its row at the next token. Bad input never reaches the engine: it becomes a 4xx with an OpenAI-style
+`{"error": {...}}` body, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonschema
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+from transformers import PreTrainedTokenizerBase
+
+from agent_r1.env.prompt_format import PromptFormat
+from agent_r1.env.tool_calls import (
+    CALL_CLOSE,
+    CALL_OPEN,
+    ParsedCall,
+    format_tool_call,
+    format_tool_responses,
+    parse_tool_calls,
+    tools_system_prompt,
+)
+from agent_r1.rollout.engine import GenerateOutput, SamplingParams
+from agent_r1.rollout.local_engine import LocalEngine
+from agent_r1.rollout.text_stream import TextStream, visible_prefix
+from agent_r1.serve.schema import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, ToolSpec
+from agent_r1.tools import Tool
+from agent_r1.types import Message
+
+
+@dataclass
+class ServedModel:
+    """Everything the API needs to know about the one model it serves."""
+
+    engine: LocalEngine
+    tokenizer: PreTrainedTokenizerBase
+    prompt_format: PromptFormat
+    name: str  # the id clients put in "model"
+    request_timeout: float = 300.0  # seconds before a request is cancelled and answered with a 504
+    default_max_tokens: int = 512  # chat completions without max_tokens get at most this many
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def create_app(served: ServedModel) -> FastAPI:
+    """The FastAPI app; run it with uvicorn (`agent-r1 serve`) or call it in-process in tests."""
+    api = _API(served)
+    app = FastAPI(title="agent-r1", summary="OpenAI-compatible API and rollout engine")
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(_validation_error(exc))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return _error_response(APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def server_error(_: Request, exc: Exception) -> JSONResponse:
+        return _error_response(_server_error(exc))
+
+    app.get("/health")(lambda: {"status": "ok"})
+    app.get("/v1/models")(api.models)
+    app.post("/v1/chat/completions")(api.chat)
+    app.post("/v1/completions")(api.completions)
+    return app
+
+
+class _API:
+    def __init__(self, served: ServedModel) -> None:
+        self.s = served
+        self.eos_ids = served.engine.eos_ids
+
+    # --- endpoints -----------------------------------------------------------------------------------
+    async def models(self) -> dict[str, Any]:
+        s = self.s
+        card = {"id": s.name, "object": "model", "created": s.created, "owned_by": "agent-r1"}
+        return {"object": "list", "data": [card | {"max_model_len": s.engine.max_context}]}
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
+        self._check_model(body.model)
+        tools = _tool_schemas(body.tools) if body.tools and body.tool_choice != "none" else []
+        prompt = self.s.prompt_format.initial(_template_messages(body.messages, tools))
+        stops = body.stops + tuple(self.s.prompt_format.stop)
+        max_tokens = self._budget(len(prompt), body.max_completion_tokens or body.max_tokens, "messages")
+        params = SamplingParams(
+            max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+            stop=((CALL_CLOSE,) if tools else ()) + stops, seed=body.seed,
+        )  # fmt: skip
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.s.name}
+        if body.stream:
+            return _sse(self._chat_events(head, prompt, params, stops, bool(tools)))
+        (out,) = await self._generate(request, [prompt], params)
+        content, calls, finish = _chat_result(out.text, stops, bool(tools), out.finish_reason)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        if body.logprobs:
+            pairs = zip(out.token_ids, out.logprobs, strict=True)
+            choice["logprobs"] = {"content": [self._token_logprob(t, lp) for t, lp in pairs]}
+        response = head | {"object": "chat.completion", "choices": [choice], "usage": _usage([prompt], [out])}
+        if body.return_token_ids:
+            choice["token_ids"] = out.token_ids
+            response["prompt_token_ids"] = prompt
+        return response
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Any:
+        self._check_model(body.model)
+        prompts = self._prompt_ids(body.prompt)
+        longest = max(len(p) for p in prompts)
+        self._budget(longest, body.max_tokens, "prompt")
+        params = SamplingParams(
+            max_new_tokens=body.max_tokens or 16, temperature=body.temperature, top_p=body.top_p,
+            stop=body.stops, seed=body.seed,
+        )  # fmt: skip
+        # choice k = prompt k // n, sample k % n; each gets its own seed (engine: seed + k), as in vLLM's n
+        rows = [p for p in prompts for _ in range(body.n)]
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.s.name}
+        if body.stream:
+            return _sse(self._completion_events(head, rows, params, body))
+        outs = await self._generate(request, rows, params)
+        choices = [self._completion_choice(k, p, o, body) for k, (p, o) in enumerate(zip(rows, outs, strict=True))]
+        return head | {"object": "text_completion", "choices": choices, "usage": _usage(rows, outs)}
+
+    # --- validation ----------------------------------------------------------------------------------
+    def _check_model(self, model: str) -> None:
+        if model != self.s.name:
+            raise APIError(
+                404, f"The model `{model}` does not exist; this server serves `{self.s.name}`.",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+
+    def _budget(self, prompt_len: int, requested: int | None, param: str) -> int:
+        """max_tokens for a prompt, or a 400 when prompt + requested tokens exceed the context."""
+        limit = self.s.engine.max_context
+        room = limit - prompt_len
+        if room < 1 or (requested is not None and requested > room):
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + (requested or 1)} tokens ({prompt_len} in the prompt, {requested or 1} for the "
+                "completion). Please reduce the prompt or max_tokens.",
+                param=param, code="context_length_exceeded",
+            )  # fmt: skip
+        return requested or min(self.s.default_max_tokens, room)
+
+    def _prompt_ids(self, prompt: list[int] | list[list[int]] | str | list[str]) -> list[list[int]]:
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]  # type: ignore[list-item]
+        vocab = len(self.s.tokenizer)
+        rows = [self.s.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[union-attr]
+        if not rows or any(not r for r in rows):
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        if any(not 0 <= t < vocab for r in rows for t in r):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return rows
+
+    # --- generation ----------------------------------------------------------------------------------
+    async def _generate(self, request: Request, prompts: list[list[int]], params: SamplingParams) -> list:
+        """Whole responses, cancelled when the client disconnects or the deadline passes."""
+        work = asyncio.ensure_future(self.s.engine.generate(prompts, params))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({work, gone}, timeout=self.s.request_timeout, return_when="FIRST_COMPLETED")
+        finally:
+            work.cancel()  # a no-op when it finished; otherwise the engine drops the rows
+            gone.cancel()
+        if work in done:
+            return work.result()
+        if gone in done:  # nobody is listening; the status is for the logs
+            raise APIError(499, "client closed the request")
+        raise _timeout(self.s.request_timeout)
+
+    @contextlib.asynccontextmanager
+    async def _tokens(self, prompts: list[list[int]], params: SamplingParams) -> AsyncIterator[Any]:
+        """(next event, outputs): `await next_event()` gives (row, token, logprob) tuples, then None at
+        the end or TimeoutError past the deadline; leaving the block cancels whatever still runs."""
+        queue: asyncio.Queue = asyncio.Queue()
+        work = asyncio.ensure_future(self.s.engine.generate(prompts, params, lambda *ev: queue.put_nowait(ev)))
+        work.add_done_callback(lambda _: queue.put_nowait(None))  # after every token (same loop, FIFO)
+        deadline = asyncio.get_running_loop().time() + self.s.request_timeout
+
+        async def next_event() -> tuple[int, int, float] | None:
+            try:
+                return await asyncio.wait_for(queue.get(), deadline - asyncio.get_running_loop().time())
+            except TimeoutError:
+                raise _timeout(self.s.request_timeout) from None
+
+        try:
+            yield next_event, work.result
+        finally:
+            work.cancel()
+
+    async def _chat_events(
+        self, head: dict, prompt: list[int], params: SamplingParams, stops: tuple[str, ...], tools: bool
+    ) -> AsyncIterator[dict]:
+        def chunk(delta: dict, finish: str | None = None) -> dict:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return head | {"object": "chat.completion.chunk", "choices": [choice]}
+
+        yield chunk({"role": "assistant", "content": ""})
+        text = TextStream(self.s.tokenizer, self.eos_ids, ((CALL_OPEN,) if tools else ()) + stops)
+        async with self._tokens([prompt], params) as (next_event, outputs):
+            while (event := await next_event()) is not None:
+                if delta := text.push(event[1]):
+                    yield chunk({"content": delta})
+            (out,) = outputs()
+        content, calls, finish = _chat_result(out.text, stops, tools, out.finish_reason)
+        last: dict[str, Any] = {"content": rest} if (rest := text.finish(content or "")) else {}
+        if calls:
+            last["tool_calls"] = [c | {"index": k} for k, c in enumerate(calls)]
+        yield chunk(last, finish)
+
+    async def _completion_events(
+        self, head: dict, rows: list[list[int]], params: SamplingParams, body: CompletionRequest
+    ) -> AsyncIterator[dict]:
+        markers = () if body.include_stop_str_in_output else params.stop
+        texts = [TextStream(self.s.tokenizer, self.eos_ids, markers) for _ in rows]
+
+        def chunk(k: int, text: str, finish: str | None = None, **extra: Any) -> dict:
+            choice = {"index": k, "text": text, "logprobs": None, "finish_reason": finish} | extra
+            return head | {"object": "text_completion", "choices": [choice]}
+
+        async with self._tokens(rows, params) as (next_event, outputs):
+            while (event := await next_event()) is not None:
+                k, token, logprob = event
+                extra: dict[str, Any] = {"token_ids": [token]} if body.return_token_ids else {}
+                if body.logprobs is not None:
+                    extra["logprobs"] = self._completion_logprobs([token], [logprob], body)
+                yield chunk(k, texts[k].push(token), **extra)
+            for k, out in enumerate(outputs()):
+                finish, stop_reason = _finish(out, params.stop)
+                yield chunk(k, texts[k].finish(), finish, stop_reason=stop_reason)
+
+    # --- responses -----------------------------------------------------------------------------------
+    def _completion_choice(self, k: int, prompt: list[int], out: GenerateOutput, body: CompletionRequest) -> dict:
+        finish, stop_reason = _finish(out, body.stops)
+        text = out.text if body.include_stop_str_in_output else visible_prefix(out.text, body.stops, final=True)
+        choice: dict[str, Any] = {"index": k, "text": text, "logprobs": None}
+        choice |= {"finish_reason": finish, "stop_reason": stop_reason}
+        if body.logprobs is not None:
+            choice["logprobs"] = self._completion_logprobs(out.token_ids, out.logprobs, body)
+        if body.return_token_ids:
+            choice |= {"prompt_token_ids": prompt, "token_ids": out.token_ids}
+        return choice
+
+    def _completion_logprobs(self, ids: list[int], logprobs: list[float], body: CompletionRequest) -> dict:
+        """OpenAI's legacy logprobs object; top alternatives are not computed (`top_logprobs` is null)."""
+        tokens = [f"token_id:{t}" if body.return_tokens_as_token_ids else self.s.tokenizer.decode([t]) for t in ids]
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None}
+
+    def _token_logprob(self, token: int, logprob: float) -> dict:
+        return {"token": self.s.tokenizer.decode([token]), "logprob": logprob, "bytes": None, "top_logprobs": []}
+
+
+def _template_messages(messages: list[ChatMessage], tools: list[dict]) -> list[Message]:
+    """OpenAI messages -> the messages `ToolEnv` would have built: one system prompt listing the tools,
+    assistant calls as hermes `<tool_call>` blocks, and consecutive tool results as one user turn."""
+    out: list[Message] = []
+    system: list[str] = []
+    results: list[str] = []
+    for i, m in enumerate(messages):
+        if results and m.role != "tool":
+            out.append({"role": "user", "content": format_tool_responses(results)})
+            results = []
+        text = _text(m, i)
+        if m.role == "tool":
+            results.append(text)
+        elif m.role in ("system", "developer") and tools:
+            system.append(text)  # becomes the instructions of the tools system prompt
+        elif m.role in ("system", "developer"):
+            out.append({"role": "system", "content": text})
+        elif m.role == "assistant":
+            calls = [format_tool_call(c.function.name, _arguments(c.function.arguments, i)) for c in m.tool_calls or []]
+            out.append({"role": "assistant", "content": "\n".join(([text] if text else []) + calls)})
+        else:
+            out.append({"role": "user", "content": text})
+    if results:
+        out.append({"role": "user", "content": format_tool_responses(results)})
+    if tools:
+        out.insert(0, {"role": "system", "content": tools_system_prompt(tools, "\n\n".join(system))})
+    return out
+
+
+def _text(m: ChatMessage, i: int) -> str:
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    if any(part.get("type") != "text" for part in m.content):
+        raise APIError(400, "only text content parts are supported", param=f"messages[{i}].content")
+    return "".join(str(part.get("text", "")) for part in m.content)
+
+
+def _arguments(arguments: str, i: int) -> Any:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        raise APIError(400, "tool call arguments must be a JSON string", param=f"messages[{i}].tool_calls") from None
+
+
+def _tool_schemas(specs: list[ToolSpec]) -> list[dict]:
+    """Validate client tools like our own: a valid name and an object JSON schema (they run client-side)."""
+    schemas = []
+    for i, spec in enumerate(specs):
+        f = spec.function
+        try:
+            if f.parameters.get("type") != "object":
+                raise ValueError('parameters must be a JSON schema with "type": "object"')
+            schemas.append(Tool(f.name, f.description, f.parameters, fn=_runs_on_client).schema)
+        except (ValueError, jsonschema.SchemaError) as exc:
+            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise APIError(400, f"invalid tool {f.name!r}: {message}", param=f"tools[{i}]") from None
+    return schemas
+
+
+def _runs_on_client(**_: Any) -> None:
+    raise RuntimeError("tools given in a request are called by the client, never by the server")
+
+
+def _chat_result(text: str, stops: tuple[str, ...], tools: bool, finish: str) -> tuple[str | None, list, str]:
+    """(content, OpenAI tool_calls, finish_reason) of one response; a malformed call stays content."""
+    calls = [c for c in parse_tool_calls(text) if isinstance(c, ParsedCall)] if tools else []
+    if not calls:
+        return visible_prefix(text, stops, final=True), [], "length" if finish == "length" else "stop"
+    openai_calls = [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {
+                "name": c.name,
+                "arguments": c.arguments if isinstance(c.arguments, str) else json.dumps(c.arguments),
+            },
+        }
+        for c in calls
+    ]
+    content = visible_prefix(text, (CALL_OPEN, *stops), final=True)
+    return (content if content.strip() else None), openai_calls, "tool_calls"
+
+
+def _finish(out: GenerateOutput, stops: tuple[str, ...]) -> tuple[str, str | None]:
+    """vLLM's (finish_reason, stop_reason): EOS is ("stop", None), a stop string ("stop", that string)."""
+    if out.finish_reason == "length":
+        return "length", None
+    if out.finish_reason == "stop":
+        found = [(out.text.find(s), s) for s in stops if s in out.text]
+        return "stop", min(found)[1] if found else None
+    return "stop", None
+
+
+def _usage(prompts: list[list[int]], outs: list[GenerateOutput]) -> dict[str, int]:
+    p, c = sum(map(len, prompts)), sum(len(o.token_ids) for o in outs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _timeout(seconds: float) -> APIError:
+    return APIError(504, f"request timed out after {seconds:g}s", type="timeout_error", code="timeout")
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """FastAPI's 422 list of problems -> one OpenAI-style 400 naming the first one."""
+    first = exc.errors()[0] if exc.errors() else {}
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}")
+    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    if not loc:
+        return APIError(400, "request body must be a JSON object")
+    return APIError(400, f"{loc}: {first.get('msg', 'invalid value')}", param=loc)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone (the body is already read, so only a disconnect arrives)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def _server_error(exc: Exception) -> APIError:
+    return APIError(500, f"{type(exc).__name__}: {exc}"[:500], type="server_error")
+
+
+def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    """Server-sent events: one `data: {json}` per event, an error event if generation fails or times
+    out midway (the status line is already sent), then `data: [DONE]`."""
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event)}\n\n"
+        except APIError as exc:
+            yield f"data: {json.dumps(exc.body())}\n\n"
+        except Exception as exc:  # the engine failed mid-stream: tell this client, keep serving the rest
+            yield f"data: {json.dumps(_server_error(exc).body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

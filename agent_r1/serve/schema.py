@@ -1,0 +1,94 @@
+"""Request bodies of the OpenAI-compatible API, and the OpenAI-style error every failure becomes.
+
+Only requests are pydantic models: they are where bad input must be caught and named. Field names and
+meanings follow the OpenAI API, plus the vLLM extensions a rollout engine needs (`return_token_ids`,
+`return_tokens_as_token_ids`, `include_stop_str_in_output`), so one client (`RemoteEngine`) talks to
+vLLM and to `agent-r1 serve` alike. Unknown fields are ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class APIError(Exception):
+    """A request the server refuses; rendered as `{"error": {...}}` with an HTTP status."""
+
+    def __init__(
+        self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+        code: str | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    return_token_ids: bool = False  # vLLM: put sampled (and prompt) token ids in the response
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as a string (OpenAI's format)
+
+
+class ToolCall(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None  # a string, or OpenAI content parts (text only)
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None
+
+
+class FunctionSpec(BaseModel):
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class ToolSpec(BaseModel):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto"] | None = None  # forcing a call is not supported
+    max_completion_tokens: int | None = Field(None, ge=1)
+    n: Literal[1] = 1
+    logprobs: bool = False
+
+
+class CompletionRequest(_Request):
+    prompt: list[int] | list[list[int]] | str | list[str]  # token ids are what a rollout engine sends
+    max_tokens: int | None = Field(16, ge=1)
+    n: int = Field(1, ge=1, le=64)
+    logprobs: int | None = Field(None, ge=0)  # any value returns the sampled token's log-prob only
+    echo: Literal[False] = False
+    return_tokens_as_token_ids: bool = False  # vLLM: logprobs.tokens as "token_id:N"
+    include_stop_str_in_output: bool = False  # vLLM: keep the stop string at the end of the text

@@ -1,0 +1,74 @@
+"""The typed config of `agent-r1 serve` and the uvicorn process around `create_app`."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import uvicorn
+
+from agent_r1.env.prompt_format import prompt_format_for
+from agent_r1.models.loading import DEFAULT_MODEL, is_chat_model, load_model
+from agent_r1.rollout.local_engine import LocalEngine
+from agent_r1.serve.app import ServedModel, create_app
+
+
+@dataclass
+class ServeConfig:
+    model: str = "default"
+    """"default", a bundled model name, a Hugging Face directory or an `agent-r1 export` directory"""
+    name: str | None = None
+    """the model id clients send as "model"; None = the model's name (directory name for a path)"""
+    host: str = "127.0.0.1"
+    """interface to listen on (0.0.0.0 exposes the server to the network)"""
+    port: int = 8000
+    """port to listen on; 0 picks a free one (the address is printed)"""
+    max_batch_size: int = 64
+    """requests decoded together by the engine"""
+    max_context: int | None = None
+    """prompt + completion tokens per request; None = the model's max_position_embeddings"""
+    max_tokens: int = 512
+    """completion tokens of a chat request that sets no max_tokens"""
+    request_timeout: float = 300.0
+    """seconds before a request is cancelled (504)"""
+    batch_wait_ms: float = 2.0
+    """how long the engine waits for more requests to join a batch"""
+    seed: int = 0
+    """seed of requests that set none"""
+    prompt_format: Literal["auto", "chat", "text"] = "auto"
+    """chat template or plain text; auto = chat when the model has a template"""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """uvicorn log level"""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.max_batch_size < 1 or self.max_tokens < 1 or self.request_timeout <= 0:
+            raise ValueError("max_batch_size, max_tokens and request_timeout must be positive")
+
+    @property
+    def served_name(self) -> str:
+        if self.name:
+            return self.name
+        return DEFAULT_MODEL if self.model == "default" else Path(self.model).name or self.model
+
+
+def run_serve(cfg: ServeConfig) -> None:
+    """Load the model, bind the socket (so port=0 can print its real port), serve until Ctrl-C."""
+    model, tokenizer = load_model(cfg.model)
+    chat = is_chat_model(cfg.model, tokenizer) if cfg.prompt_format == "auto" else cfg.prompt_format == "chat"
+    engine = LocalEngine(
+        model, tokenizer, max_batch_size=cfg.max_batch_size, max_context=cfg.max_context, seed=cfg.seed,
+        batch_wait_s=cfg.batch_wait_ms / 1000,
+    )  # fmt: skip
+    served = ServedModel(
+        engine, tokenizer, prompt_format_for(tokenizer, chat=chat), cfg.served_name,
+        request_timeout=cfg.request_timeout, default_max_tokens=cfg.max_tokens,
+    )  # fmt: skip
+    sock = socket.create_server((cfg.host, cfg.port), reuse_port=False)
+    host, port = sock.getsockname()[:2]
+    print(f"agent-r1 serve: {served.name} at http://{host}:{port}/v1", flush=True)
+    config = uvicorn.Config(create_app(served), log_level=cfg.log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])

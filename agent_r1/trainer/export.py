@@ -1,0 +1,86 @@
+"""`agent-r1 export CHECKPOINT --out DIR`: a training checkpoint -> a Hugging Face directory.
+
+A checkpoint holds only what training changed (every weight, or only the LoRA adapters) and the run's
+config. Export rebuilds the policy from the base model named in that config, loads the trained
+tensors, merges LoRA into the weights, and writes model + tokenizer (chat template included) + an
+`agent_r1.json` recording how the model was trained to be prompted: its prompt format and its
+tool-call format. `AutoModelForCausalLM.from_pretrained(DIR)` loads the result; so do
+`agent-r1 chat --model DIR` and `agent-r1 serve model=DIR`, which read the recorded format.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agent_r1.models.loading import EXPORT_INFO, is_chat_model, load_model
+from agent_r1.models.lora import with_lora
+from agent_r1.trainer.checkpoint import export_policy, latest_checkpoint, load_trained_state
+from agent_r1.trainer.config import LoraConfig
+
+
+@dataclass
+class ExportConfig:
+    checkpoint: str = ""
+    """a checkpoint (RUN_DIR/checkpoints/step_N), or a run directory (its newest checkpoint)"""
+    out: str = ""
+    """the Hugging Face directory to write (replaced if it exists)"""
+    model: str | None = None
+    """base model; None = the model recorded in the checkpoint's config"""
+
+    def __post_init__(self) -> None:
+        if not self.checkpoint or not self.out:
+            raise ValueError("usage: agent-r1 export RUN_DIR[/checkpoints/step_N] --out DIR")
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory from a checkpoint, a run directory or its checkpoints/ directory."""
+    p = Path(path)
+    if (p / "meta.json").is_file():
+        return p
+    found = latest_checkpoint(p) or (latest_checkpoint(p.parent) if p.name == "checkpoints" else None)
+    if found is None:
+        raise ValueError(f"no checkpoint in {path}: give RUN_DIR or RUN_DIR/checkpoints/step_N")
+    return found
+
+
+def load_policy(checkpoint: Path, model: str | None = None) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
+    """(policy with the trained weights, tokenizer, the run's config) of a checkpoint."""
+    config = json.loads((checkpoint / "meta.json").read_text()).get("config", {})
+    base = model or config.get("model")
+    if not base:
+        raise ValueError(f"checkpoint {checkpoint} records no base model: pass model=NAME_OR_DIR")
+    policy, tokenizer = load_model(base)
+    lora = config.get("lora") or {}
+    if lora.get("enabled"):
+        policy = with_lora(policy, LoraConfig(**lora))
+    load_trained_state(checkpoint / "policy.safetensors", policy)
+    return policy.eval(), tokenizer, config | {"model": base}
+
+
+def run_export(cfg: ExportConfig) -> Path:
+    checkpoint = find_checkpoint(cfg.checkpoint)
+    policy, tokenizer, config = load_policy(checkpoint, cfg.model)
+    fmt = config.get("prompt_format", "auto")
+    chat = is_chat_model(config["model"], tokenizer) if fmt == "auto" else fmt == "chat"
+    out = export_policy(policy, tokenizer, cfg.out)
+    info = {
+        "exported_from": str(checkpoint.resolve()),
+        "base_model": config["model"],
+        "step": json.loads((checkpoint / "meta.json").read_text()).get("step"),
+        "lora_merged": bool((config.get("lora") or {}).get("enabled")),
+        "prompt_format": "chat" if chat else "text",
+        "tool_call_format": {
+            "name": "hermes",
+            "call": '<tool_call>\n{"name": <tool-name>, "arguments": <arguments-object>}\n</tool_call>',
+            "stop": "</tool_call>",
+            "result": "<tool_response>\n<output>\n</tool_response>, all results of a turn in one user message",
+        },
+    }
+    (out / EXPORT_INFO).write_text(json.dumps(info, indent=1))
+    print(f"exported {checkpoint} -> {out}")
+    return out

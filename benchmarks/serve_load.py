@@ -1,0 +1,97 @@
+"""Load test of `agent-r1 serve`: N concurrent chat requests with tools, on loopback only.
+
+Starts the server as a subprocess on a free 127.0.0.1 port, sends one warm-up request, then N chat
+completions at once (the calculator tool offered, greedy, bounded max_tokens), and reports
+requests/s, p50/p95 latency, completion tokens/s and errors. The server is stopped at the end.
+
+    python benchmarks/serve_load.py --requests 100 --max-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+from agent_r1.tools import calculator
+
+
+def start_server(model: str, max_batch_size: int) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "agent_r1.cli", "serve", f"model={model}", "port=0", "log_level=warning"]
+    cmd.append(f"max_batch_size={max_batch_size}")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=os.environ | {"OMP_NUM_THREADS": "2"})
+    line = proc.stdout.readline()
+    if not line.startswith("agent-r1 serve:"):
+        proc.kill()
+        sys.exit(f"server did not start: {line!r}")
+    return proc, line.split(" at ")[1].strip()
+
+
+async def one(client: httpx.AsyncClient, body: dict) -> tuple[float, int, str | None]:
+    t0 = time.perf_counter()
+    r = await client.post("/chat/completions", json=body)
+    seconds = time.perf_counter() - t0
+    if r.status_code != 200:
+        return seconds, 0, f"{r.status_code}: {r.text[:200]}"
+    return seconds, r.json()["usage"]["completion_tokens"], None
+
+
+async def load(url: str, n: int, max_tokens: int) -> dict:
+    limits = httpx.Limits(max_connections=n + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        model = (await client.get("/models")).json()["data"][0]["id"]
+
+        def body(i: int) -> dict:
+            question = f"What is {12 + i} * {7 + i % 13}?"
+            messages = [{"role": "user", "content": question}]
+            return {
+                "model": model,
+                "messages": messages,
+                "tools": [calculator.schema],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+            }
+
+        await one(client, body(0))  # warm-up: first-request costs are not load
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(client, body(i)) for i in range(n)))
+        wall = time.perf_counter() - t0
+    latencies = sorted(r[0] for r in results)
+    errors = [r[2] for r in results if r[2]]
+    return {
+        "requests": n,
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+        "wall_s": round(wall, 2),
+        "requests_per_s": round(n / wall, 2),
+        "p50_latency_s": round(statistics.median(latencies), 2),
+        "p95_latency_s": round(latencies[max(0, int(0.95 * n) - 1)], 2),
+        "completion_tokens_per_s": round(sum(r[1] for r in results) / wall, 1),
+        "max_tokens": max_tokens,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=100)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--model", default="default")
+    args = parser.parse_args()
+    proc, url = start_server(args.model, args.max_batch_size)
+    try:
+        print(json.dumps(asyncio.run(load(url, args.requests, args.max_tokens)), indent=1))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()

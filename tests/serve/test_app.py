@@ -1,0 +1,231 @@
+"""The OpenAI-compatible API, over HTTP: a real model (the tiny tool-call model) behind every endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from transformers import AutoModelForCausalLM
+
+from agent_r1.env.prompt_format import ChatFormat
+from agent_r1.rollout.engine import SamplingParams
+from agent_r1.rollout.local_engine import LocalEngine
+from agent_r1.serve import ServedModel, create_app
+from agent_r1.tools import calculator
+from tests.conftest import TOOL_ANSWER, TOOL_QUESTION, serving
+
+NAME = "tool-model"
+
+
+@pytest.fixture(scope="module")
+def model(tool_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tool_model_dir).eval()
+
+
+@pytest.fixture
+def served(model, tokenizer):
+    engine = LocalEngine(model, tokenizer, max_context=512, seed=0)
+    return ServedModel(engine, tokenizer, ChatFormat(tokenizer), NAME, request_timeout=60.0)
+
+
+@pytest.fixture
+async def client(served):
+    transport = httpx.ASGITransport(app=create_app(served))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        yield c
+
+
+def record_batches(engine: LocalEngine) -> list:
+    """Spy on the real decode loop: one (batch size, finish reasons) entry per batch."""
+    batches = []
+    original = engine.generate_batch
+
+    def spy(prompts, params, seeds, hook=None):
+        outs = original(prompts, params, seeds, hook)
+        batches.append((len(prompts), [o.finish_reason for o in outs]))
+        return outs
+
+    engine.generate_batch = spy
+    return batches
+
+
+CALCULATOR = [calculator.schema]
+ASK = {"model": NAME, "messages": [{"role": "user", "content": TOOL_QUESTION}], "tools": CALCULATOR, "temperature": 0}
+
+
+def sse_events(text: str) -> list:
+    lines = [line.removeprefix("data: ") for line in text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+async def test_models_lists_the_served_model(client):
+    r = await client.get("/v1/models")
+    assert r.status_code == 200
+    (card,) = r.json()["data"]
+    assert card["id"] == NAME and card["max_model_len"] == 512
+
+
+async def test_chat_returns_parsed_tool_calls(client):
+    r = await client.post("/v1/chat/completions", json=ASK)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "calculator"
+    assert json.loads(call["function"]["arguments"]) == {"expression": "6 * 7"}
+    assert choice["message"]["content"] is None
+
+
+async def test_tool_results_are_rendered_exactly_as_the_agent_loop_renders_them(client, served):
+    first = (await client.post("/v1/chat/completions", json=ASK | {"return_token_ids": True})).json()
+    call = first["choices"][0]["message"]["tool_calls"][0]
+    messages = [
+        *ASK["messages"],
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "42"},
+    ]
+    second = (
+        await client.post("/v1/chat/completions", json=ASK | {"messages": messages, "return_token_ids": True})
+    ).json()
+    assert second["choices"][0]["message"] == {"role": "assistant", "content": TOOL_ANSWER}
+    assert second["choices"][0]["finish_reason"] == "stop"
+    # the second prompt is token for token the context ToolEnv builds: prompt + sampled call + tool turn
+    continuation = served.prompt_format.continuation(
+        [{"role": "user", "content": "<tool_response>\n42\n</tool_response>"}], False
+    )
+    assert second["prompt_token_ids"] == first["prompt_token_ids"] + first["choices"][0]["token_ids"] + continuation
+
+
+async def test_streamed_chat_matches_the_whole_response(client):
+    whole = (await client.post("/v1/chat/completions", json=ASK)).json()["choices"][0]
+    r = await client.post("/v1/chat/completions", json=ASK | {"stream": True})
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    last = events[-1]["choices"][0]
+    assert last["finish_reason"] == "tool_calls"
+    assert [c["function"] | {"index": c["index"]} for c in last["delta"]["tool_calls"]] == [
+        c["function"] | {"index": 0} for c in whole["message"]["tool_calls"]
+    ]
+    plain = ASK | {"tools": None, "max_tokens": 12}  # no tools: the same tokens stream as prose
+    streamed = sse_events((await client.post("/v1/chat/completions", json=plain | {"stream": True})).text)
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in streamed)
+    assert text == (await client.post("/v1/chat/completions", json=plain)).json()["choices"][0]["message"]["content"]
+    assert len(streamed) > 3  # token by token, not one blob
+
+
+async def test_completions_take_and_return_token_ids_with_logprobs(client, served, tokenizer):
+    prompt = ChatFormat(tokenizer).initial([{"role": "user", "content": "Hello"}])
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": 11, "logprobs": 0}
+    r = await client.post("/v1/completions", json=body | {"return_token_ids": True, "return_tokens_as_token_ids": True})
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    (ref,) = await served.engine.generate([prompt], SamplingParams(max_new_tokens=8, temperature=1.0, seed=11))
+    assert choice["token_ids"] == ref.token_ids and choice["prompt_token_ids"] == prompt
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(ref.logprobs, abs=1e-4)
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in ref.token_ids]
+    assert r.json()["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 8, "total_tokens": len(prompt) + 8}
+
+
+async def test_completions_finish_reasons_follow_vllm(client, tokenizer, served):
+    prompt = served.prompt_format.initial(
+        [{"role": "system", "content": served_system()}, {"role": "user", "content": TOOL_QUESTION}]
+    )
+    body = {"model": NAME, "prompt": prompt, "temperature": 0, "max_tokens": 64}
+    stop = (await client.post("/v1/completions", json=body | {"stop": ["</tool_call>"]})).json()["choices"][0]
+    assert (stop["finish_reason"], stop["stop_reason"]) == ("stop", "</tool_call>")
+    assert stop["text"].startswith("<tool_call>") and "</tool_call>" not in stop["text"]
+    kept = await client.post(
+        "/v1/completions", json=body | {"stop": "</tool_call>", "include_stop_str_in_output": True}
+    )
+    assert kept.json()["choices"][0]["text"].endswith("</tool_call>")
+    short = (await client.post("/v1/completions", json=body | {"max_tokens": 3})).json()["choices"][0]
+    assert (short["finish_reason"], short["stop_reason"]) == ("length", None)
+    n2 = await client.post("/v1/completions", json=body | {"prompt": [prompt, prompt[:-1]], "n": 2, "max_tokens": 2})
+    assert [c["index"] for c in n2.json()["choices"]] == [0, 1, 2, 3]
+
+
+def served_system() -> str:
+    from agent_r1.env.tool_calls import tools_system_prompt
+
+    return tools_system_prompt(CALCULATOR)
+
+
+async def test_streamed_completion_reports_every_token(client, tokenizer):
+    prompt = tokenizer.encode("Hello there")
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    whole = (await client.post("/v1/completions", json=body)).json()["choices"][0]
+    events = sse_events((await client.post("/v1/completions", json=body | {"stream": True})).text)
+    assert [t for e in events for t in e["choices"][0].get("token_ids", [])] == whole["token_ids"]
+    assert "".join(e["choices"][0]["text"] for e in events) == whole["text"]
+    assert events[-1]["choices"][0]["finish_reason"] == whole["finish_reason"]
+
+
+BAD_SCHEMA = {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}
+LONG = [{"role": "user", "content": "x " * 600}]
+BAD = [
+    ("/v1/chat/completions", b'{"model": "tool-model", "messages": [', 400, "not valid JSON", None),
+    ("/v1/chat/completions", ASK | {"model": "gpt-4"}, 404, "does not exist", "model_not_found"),
+    ("/v1/chat/completions", {"model": NAME}, 400, "messages", None),
+    ("/v1/chat/completions", ASK | {"temperature": -1}, 400, "temperature", None),
+    ("/v1/chat/completions", ASK | {"tools": [{"type": "function", "function": BAD_SCHEMA}]}, 400, "tool 'f'", None),
+    ("/v1/chat/completions", ASK | {"tools": [{"type": "function", "function": {"name": "a b"}}]}, 400, "a b", None),
+    ("/v1/chat/completions", b"[1, 2]", 400, "JSON object", None),
+    ("/v1/chat/completions", ASK | {"messages": LONG}, 400, "maximum context length", "context_length_exceeded"),
+    ("/v1/chat/completions", ASK | {"max_tokens": 10_000}, 400, "maximum context length", "context_length_exceeded"),
+    ("/v1/completions", {"model": NAME, "prompt": [1, 2, 10**9]}, 400, "token ids must be in", None),
+    ("/v1/completions", {"model": NAME, "prompt": []}, 400, "prompt", None),
+    ("/v1/nowhere", {}, 404, "Not Found", None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body", "status", "message", "code"), BAD)
+async def test_bad_input_is_an_openai_style_4xx_and_the_server_keeps_serving(client, path, body, status, message, code):
+    json_header = {"content-type": "application/json"}
+    r = await client.post(
+        path, **({"content": body, "headers": json_header} if isinstance(body, bytes) else {"json": body})
+    )
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert message in error["message"] and error["code"] == code and error["type"]
+    assert (await client.post("/v1/chat/completions", json=ASK | {"max_tokens": 2})).status_code == 200
+
+
+async def test_concurrent_requests_are_decoded_as_one_batch(client, served, tokenizer):
+    served.engine.batch_wait_s = 0.2  # in-process requests all arrive well within this
+    batches = record_batches(served.engine)
+    prompts = [tokenizer.encode(f"Question {i}") for i in range(4)]
+    body = {"model": NAME, "max_tokens": 3, "temperature": 0}
+    rs = await asyncio.gather(*(client.post("/v1/completions", json=body | {"prompt": p}) for p in prompts))
+    assert all(r.status_code == 200 for r in rs)
+    assert [size for size, _ in batches] == [4]
+
+
+async def test_a_request_past_its_deadline_is_a_504_and_its_row_is_dropped(served, tokenizer):
+    served.request_timeout = 0.05
+    batches = record_batches(served.engine)
+    transport = httpx.ASGITransport(app=create_app(served))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        body = {"model": NAME, "prompt": tokenizer.encode("Hello"), "max_tokens": 480, "temperature": 1.0}
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        await asyncio.wait_for(served.engine._worker, 30)  # the engine goes idle instead of decoding 480 tokens
+    assert batches == [(1, ["abort"])]
+
+
+def test_client_disconnect_mid_stream_stops_generation(served, tokenizer):
+    batches = record_batches(served.engine)
+    body = {"model": NAME, "prompt": tokenizer.encode("Hello"), "max_tokens": 480, "temperature": 1.0, "stream": True}
+    with serving(create_app(served)) as url, httpx.Client(base_url=url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            first = [next(lines) for _ in range(4)]  # a few tokens arrived, then the client goes away
+        assert first[0].startswith("data: ")
+        for _ in range(3000):  # bounded wait for the server to notice and the engine to drop the row
+            if batches:
+                break
+            asyncio.run(asyncio.sleep(0.01))
+    assert batches and batches[0][1] == ["abort"]

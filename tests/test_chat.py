@@ -1,0 +1,91 @@
+"""`agent-r1 chat`: one tool-using turn in a real pseudo-terminal, and the non-interactive modes."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pexpect
+import pytest
+
+from agent_r1.cli import main
+from tests.conftest import TOOL_ANSWER, TOOL_QUESTION
+
+
+def test_terminal_session_streams_a_tool_using_turn(tool_model_dir):
+    env = os.environ | {"PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "COLUMNS": "120"}
+    args = ["-m", "agent_r1.cli", "chat", "--model", str(tool_model_dir), "--tools", "calculator"]
+    child = pexpect.spawn(sys.executable, args, env=env, encoding="utf-8", timeout=60, dimensions=(40, 120))
+    try:
+        child.expect("you ›")
+        child.sendline(TOOL_QUESTION)
+        child.expect("tool call · calculator")
+        child.expect('"expression": "6 \\* 7"')
+        child.expect("tool result")
+        child.expect("42")
+        child.expect("agent ›")
+        child.expect(TOOL_ANSWER.replace(".", "\\."))
+        child.expect("you ›")
+        child.sendline("/tools")
+        child.expect("Evaluate an arithmetic expression")  # the description, from the docstring
+        child.sendline("/reset")
+        child.expect("conversation cleared")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+
+
+def test_prompt_mode_prints_only_the_final_answer(tool_model_dir, capsys):
+    assert main(["chat", "--model", str(tool_model_dir), "--prompt", TOOL_QUESTION]) == 0
+    assert capsys.readouterr().out == TOOL_ANSWER + "\n"
+
+
+def test_json_mode_prints_the_whole_trajectory(tool_model_dir, capsys):
+    assert main(["chat", f"model={tool_model_dir}", "--prompt", TOOL_QUESTION, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    steps = out["trajectory"]["steps"]
+    assert [s["info"]["tool_calls"] for s in steps] == [1, 0]
+    assert steps[0]["info"]["tool_results"][0]["output"] == "42"
+    assert len(steps[0]["response_ids"]) == len(steps[0]["response_logprobs"]) > 0
+    assert [m["role"] for m in out["history"]] == ["user", "assistant", "user", "assistant"]
+
+
+def test_history_is_kept_between_messages(tool_model_dir, tokenizer):
+    import asyncio
+
+    from transformers import AutoModelForCausalLM
+
+    from agent_r1.chat import ChatSession
+    from agent_r1.env.prompt_format import ChatFormat
+    from agent_r1.rollout.engine import SamplingParams
+    from agent_r1.rollout.local_engine import LocalEngine
+    from agent_r1.tools import calculator
+
+    model = AutoModelForCausalLM.from_pretrained(tool_model_dir).eval()
+    session = ChatSession(
+        LocalEngine(model, tokenizer), ChatFormat(tokenizer), {"calculator": calculator}, SamplingParams(64, 0.0)
+    )
+    asyncio.run(session.send(TOOL_QUESTION))
+    traj = asyncio.run(session.send("And again?"))
+    first_prompt = tokenizer.decode(traj.steps[0].prompt_ids)
+    assert first_prompt.count(TOOL_QUESTION) == 1 and "And again?" in first_prompt and TOOL_ANSWER in first_prompt
+    assert len(session.history) == 6
+    session.reset()
+    assert session.history == []
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["chat", "--tools", "calculator,search"], "unknown tool 'search'; available tools: calculator, echo"),
+        (["chat", "--json"], "--json needs --prompt"),
+        (["chat", "--model", "/no/such/model", "--prompt", "hi"], "model not found"),
+    ],
+)
+def test_bad_chat_arguments_give_one_line(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
