@@ -40,7 +40,7 @@ class ChatConfig:
     model: str = "default"
     """"default", a bundled model name, a Hugging Face directory or an `agent-r1 export` directory"""
     tools: tuple[str, ...] = ("calculator",)
-    """tools the model may call, comma-separated (built-in: calculator, echo)"""
+    """tools the model may call, comma-separated: calculator, echo, search (HotpotQA's Wikipedia paragraphs)"""
     prompt: str | None = None
     """answer this one message and exit, printing only the final answer (no terminal session)"""
     json: bool = False
@@ -59,12 +59,15 @@ class ChatConfig:
     """sampling seed"""
     prompt_format: Literal["auto", "chat", "text"] = "auto"
     """chat template or plain text; auto = chat when the model has a template"""
+    retriever: str = "bm25"
+    """search tool: bm25 or dense index, or the URL of an `agent-r1 retrieval-server`"""
 
     def __post_init__(self) -> None:
         self.tools = tuple(t.strip() for item in self.tools for t in item.split(",") if t.strip())
-        unknown = [t for t in self.tools if t not in BUILTIN_TOOLS]
+        available = [*BUILTIN_TOOLS, "search"]
+        unknown = [t for t in self.tools if t not in available]
         if unknown:
-            raise ValueError(f"unknown tool {unknown[0]!r}; available tools: {', '.join(BUILTIN_TOOLS)}")
+            raise ValueError(f"unknown tool {unknown[0]!r}; available tools: {', '.join(available)}")
         if self.json and self.prompt is None:
             raise ValueError("--json needs --prompt (it prints one trajectory)")
         if self.max_turns < 1:
@@ -165,13 +168,24 @@ class _WatchedEnv:
         return result
 
 
+def chat_tools(cfg: ChatConfig) -> dict[str, Tool]:
+    """The chosen tools; `search` loads (or builds once) its index."""
+    tools = {t: BUILTIN_TOOLS[t] for t in cfg.tools if t in BUILTIN_TOOLS}
+    if "search" in cfg.tools:
+        from agent_r1.recipes.hotpotqa import retriever_for
+        from agent_r1.retrieval import search_tool
+
+        tools["search"] = search_tool(retriever_for(cfg.retriever))
+    return {t: tools[t] for t in cfg.tools}
+
+
 def run_chat(cfg: ChatConfig, console: Console | None = None) -> None:
     console = console or Console(highlight=False)
     model, tokenizer = load_model(cfg.model)
     chat = is_chat_model(cfg.model, tokenizer) if cfg.prompt_format == "auto" else cfg.prompt_format == "chat"
     engine = LocalEngine(model, tokenizer, seed=cfg.seed)
     session = ChatSession(
-        engine, prompt_format_for(tokenizer, chat=chat), {t: BUILTIN_TOOLS[t] for t in cfg.tools}, cfg.sampling,
+        engine, prompt_format_for(tokenizer, chat=chat), chat_tools(cfg), cfg.sampling,
         instructions=cfg.system, max_turns=cfg.max_turns, seed=cfg.seed,
     )  # fmt: skip
     if cfg.prompt is not None:

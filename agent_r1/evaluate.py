@@ -100,22 +100,19 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str,
 
 
 def report_table(title: str, m: dict[str, float]) -> Table:
+    """Accuracy, tool use and turns, then every logged reward part (EM, F1, format, ...)."""
+    parts = sorted(k for k in m if k.startswith("reward/") and k != "reward/correct")
+    columns = {
+        "accuracy": f"{m['accuracy']:.1%}",
+        "tool calls / episode": f"{m['tool_calls']:.2f}",
+        "format errors / episode": f"{m['format_errors']:.2f}",
+        "tool errors / episode": f"{m['tool_errors']:.2f}",
+        "turns": f"{m['turns']:.2f}",
+        **{k.removeprefix("reward/"): f"{m[k]:.3f}" for k in parts},
+        "seconds": f"{m['seconds']:.1f}",
+    }
     table = Table(title=f"eval: {title}")
-    for col in (
-        "accuracy",
-        "tool calls / episode",
-        "format errors / episode",
-        "tool errors / episode",
-        "turns",
-        "seconds",
-    ):
+    for col in columns:
         table.add_column(col, justify="right")
-    table.add_row(
-        f"{m['accuracy']:.1%}",
-        f"{m['tool_calls']:.2f}",
-        f"{m['format_errors']:.2f}",
-        f"{m['tool_errors']:.2f}",
-        f"{m['turns']:.2f}",
-        f"{m['seconds']:.1f}",
-    )
+    table.add_row(*columns.values())
     return table

@@ -80,7 +80,10 @@ def test_history_is_kept_between_messages(tool_model_dir, tokenizer):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["chat", "--tools", "calculator,search"], "unknown tool 'search'; available tools: calculator, echo"),
+        (
+            ["chat", "--tools", "calculator,browser"],
+            "unknown tool 'browser'; available tools: calculator, echo, search",
+        ),
         (["chat", "--json"], "--json needs --prompt"),
         (["chat", "--model", "/no/such/model", "--prompt", "hi"], "model not found"),
     ],
@@ -89,3 +92,11 @@ def test_bad_chat_arguments_give_one_line(args, message, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_search_tool_is_available_to_chat():
+    from agent_r1.chat import ChatConfig, chat_tools
+
+    tools = chat_tools(ChatConfig(tools=("search,calculator",)))
+    assert list(tools) == ["search", "calculator"]
+    assert tools["search"].fn("Tinted Windows band").startswith("Doc 1 (Title: Tinted Windows")

@@ -110,17 +110,31 @@ def make_env(
 
 
 def demo(task: dict[str, Any], env: ToolEnv) -> list[Message]:
-    """A cold-start demonstration: search each supporting paragraph's title, then answer.
+    """A cold-start demonstration: search the question, then each supporting paragraph it did not find
+    by its title, then answer.
 
-    The tool responses come from `env`'s own search tool and token cut, so SFT shows exactly what a
-    rollout would see, whether or not the search found the paragraph."""
+    Searching the question first is what a small model can learn to do on any question; the titles
+    of the missing paragraphs are the second hop (they appear in the first results as bridge
+    entities). Tool responses come from `env`'s own search tool and token cut, so SFT shows exactly
+    what a rollout would see."""
     messages: list[Message] = [{"role": "user", "content": task["question"]}]
-    for title in task["supporting_titles"]:
-        think = f"<think>I need to know about {title}.</think>\n"
-        messages.append({"role": "assistant", "content": think + format_tool_call("search", {"query": title})})
-        output = env.tools["search"].fn(title)
+
+    def search(query: str, thought: str) -> str:
+        messages.append(
+            {
+                "role": "assistant",
+                "content": f"<think>{thought}</think>\n" + format_tool_call("search", {"query": query}),
+            }
+        )
+        output = env.tools["search"].fn(query)
         if env.max_tool_tokens is not None:
             output, _ = truncate_to_tokens(output, env.format.tokenizer, env.max_tool_tokens)
         messages.append({"role": "user", "content": format_tool_responses([output])})
+        return output
+
+    found = search(task["question"], "Let me search for the question.")
+    for title in task["supporting_titles"]:
+        if f"(Title: {title})" not in found:
+            found += search(title, f"I also need {title}.")
     answer = f"<think>I have what I need.</think>\n<answer>{task['answer']}</answer>"
     return [*messages, {"role": "assistant", "content": answer}]
