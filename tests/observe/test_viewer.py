@@ -1,9 +1,6 @@
 """`agent-r1 view`: the JSON API, and the page itself in a real headless Chromium."""
 
 import shutil
-import socket
-import threading
-import time
 from dataclasses import replace
 
 import pytest
@@ -13,6 +10,7 @@ from fastapi.testclient import TestClient
 from agent_r1.observe.records import step_path, trajectory_records, write_records
 from agent_r1.observe.viewer.app import create_app
 from agent_r1.types import Termination
+from tests.conftest import serving
 from tests.observe.test_records import two_turn_trajectory
 
 
@@ -77,21 +75,8 @@ def chromium() -> str | None:
 
 @pytest.fixture
 def served(run_dir):
-    """The viewer on a free loopback port, in a thread; stopped after the test."""
-    import uvicorn
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(run_dir), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}/"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving(create_app(run_dir)) as url:
+        yield url + "/"
 
 
 @pytest.mark.skipif(chromium() is None, reason="no Chromium on this machine (make test installs it with apt-get)")

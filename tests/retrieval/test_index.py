@@ -2,8 +2,6 @@
 
 import asyncio
 import socket
-import threading
-import time
 
 import pytest
 
@@ -11,6 +9,7 @@ from agent_r1.retrieval import Passage, load_retriever, search_tool
 from agent_r1.retrieval.index import BM25Retriever, corpus_key
 from agent_r1.retrieval.server import RemoteRetriever, create_app
 from agent_r1.tools import execute_tool_call
+from tests.conftest import serving
 
 CORPUS = [
     Passage("Paris", "Paris is the capital and most populous city of France."),
@@ -76,21 +75,8 @@ def test_search_tool_formats_and_clamps(tmp_path):
 
 @pytest.fixture
 def server(tmp_path):
-    import uvicorn
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    app = create_app(load_retriever(CORPUS, "bm25", cache=tmp_path), "bm25")
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with serving(create_app(load_retriever(CORPUS, "bm25", cache=tmp_path), "bm25")) as url:
+        yield url
 
 
 def test_remote_retriever_matches_the_local_index(server, tmp_path):
