@@ -35,8 +35,11 @@ def test_tensorboard_event_files_hold_the_scalars(tmp_path):
 
 
 def test_wandb_offline_run_is_written_locally(tmp_path, monkeypatch):
+    import wandb
+
     monkeypatch.setenv("WANDB_SILENT", "true")
     log_two_steps(LogConfig(wandb=True, wandb_project="agent-r1-test"), tmp_path)
+    wandb.teardown()  # finish() can return before W&B's service process has written the file
     (run,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")  # `wandb sync` uploads this later
     data = run.read_bytes()
     assert b"reward_mean" in data and b"0.654321" in data and b"agent-r1-test" in data
