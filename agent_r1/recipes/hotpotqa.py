@@ -18,7 +18,7 @@ from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.env.tool_calls import extract_answer, format_tool_call, format_tool_responses
 from agent_r1.env.tool_env import ToolEnv, truncate_to_tokens
 from agent_r1.retrieval import Passage, Retriever, load_retriever, search_tool
-from agent_r1.rewards.qa import exact_match, f1_score, qa_answer_score, qa_format_score, sub_exact_match
+from agent_r1.rewards.qa import exact_match, f1_score, qa_em_and_format, qa_format_score, sub_exact_match
 from agent_r1.types import Message
 
 DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "hotpotqa"
@@ -77,18 +77,10 @@ def _cached_retriever(kind: str, paths: tuple[str, ...]) -> Retriever:
 def reward(task: dict[str, Any], responses: list[str]) -> tuple[float, dict[str, float]]:
     """Agent-R1's qa_em_and_format over the episode's responses, with EM / F1 / sub-EM of the answer."""
     answer = extract_answer(responses[-1]) if responses else None
-    pred = answer if answer is not None else ""
-    fmt = qa_format_score(responses)
-    total = min(fmt, 0.5) + (qa_answer_score(responses[-1], task["answer"]) if responses else 0.0)
-    em = exact_match(pred, task["answer"]) if answer is not None else 0.0
-    parts = {
-        "correct": em,
-        "em": em,
-        "f1": f1_score(pred, task["answer"]) if answer is not None else 0.0,
-        "sub_em": sub_exact_match(pred, task["answer"]) if answer is not None else 0.0,
-        "format": fmt,
-    }
-    return total, parts
+    scored = {"em": exact_match, "f1": f1_score, "sub_em": sub_exact_match}
+    parts = {name: fn(answer, task["answer"]) if answer is not None else 0.0 for name, fn in scored.items()}
+    parts |= {"correct": parts["em"], "format": qa_format_score(responses)}
+    return qa_em_and_format(responses, task["answer"]), parts
 
 
 def make_env(
