@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from agent_r1.rollout.merge import merge_trajectory
+from agent_r1.rollout.merge import extends, merge_trajectory
 from agent_r1.types import Trajectory
 
 TRAJECTORY_DIR = "trajectories"
@@ -79,14 +79,14 @@ def _turns(traj: Trajectory, rows: list[dict[str, Any]], tokenizer: Any) -> list
     step_adv = _step_advantages(rows)
     turns, context = [], None
     for s in traj.steps:
-        extends = context is not None and s.prompt_ids[: len(context)] == context
-        new = s.prompt_ids[len(context) :] if extends else s.prompt_ids
+        appended = context is not None and extends(s.prompt_ids, context)
+        new = s.prompt_ids[len(context) :] if appended else s.prompt_ids
         info = {k: v for k, v in s.info.items() if k != "tool_results"}
         turns.append(
             {
                 "index": s.index,
                 "observation": tokenizer.decode(new),
-                "rewritten": context is not None and not extends,
+                "rewritten": context is not None and not appended,
                 "response": s.text,
                 "finish_reason": s.finish_reason,
                 "response_tokens": len(s.response_ids),

@@ -16,7 +16,7 @@ def merge_trajectory(traj: Trajectory) -> list[TrainSequence]:
     rows: list[TrainSequence] = []
     row: TrainSequence | None = None
     for step in traj.steps:
-        if row is not None and _extends(step.prompt_ids, row.input_ids):
+        if row is not None and extends(step.prompt_ids, row.input_ids):
             new_prompt = step.prompt_ids[len(row.input_ids) :]
         else:
             row = TrainSequence(traj.traj_id, traj.group_id, [], [], [], [])
@@ -35,6 +35,6 @@ def merge_trajectories(trajs: list[Trajectory]) -> list[TrainSequence]:
     return [row for t in trajs for row in merge_trajectory(t)]
 
 
-def _extends(prompt: list[int], context: list[int]) -> bool:
+def extends(prompt: list[int], context: list[int]) -> bool:
     """True when `prompt` is `context` followed by zero or more new tokens."""
     return len(prompt) >= len(context) and prompt[: len(context)] == context
