@@ -38,18 +38,24 @@ MAX_NEW_TOKENS = 64
 LR = 1e-5
 
 
+def prompt_messages(question: str, prefix: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The conversation both trainers render with the chat template: `prefix` + the question."""
+    return [*prefix, {"role": "user", "content": question}]
+
+
 class SingleTurnEnv:
-    """One user question, one answer, reward = numeric match; no tools, no stop strings."""
+    """One user question, one answer, reward = numeric match; no tool calls, no stop strings."""
 
     stop: tuple[str, ...] = ()
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, prefix: list[dict[str, str]]) -> None:
         self.tokenizer = tokenizer
+        self.prefix = prefix
         self.answer = ""
 
     async def reset(self, task: dict[str, Any]) -> Observation:
         self.answer = str(task["answer"])
-        messages = [{"role": "user", "content": task["question"]}]
+        messages = prompt_messages(task["question"], self.prefix)
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return Observation(token_ids=list(ids))
 
@@ -58,7 +64,9 @@ class SingleTurnEnv:
         return StepResult(None, reward, True, {"termination": Termination.ANSWERED})
 
 
-def run_agent_r1(tasks: list[dict[str, Any]], n_tasks: int, group_size: int, run_dir: str) -> tuple[float, float]:
+def run_agent_r1(
+    tasks: list[dict[str, Any]], n_tasks: int, group_size: int, run_dir: str, prefix: list[dict[str, str]]
+) -> tuple[float, float]:
     model, tokenizer = load_model("default")
     overrides = [
         "steps=2",
@@ -75,7 +83,9 @@ def run_agent_r1(tasks: list[dict[str, Any]], n_tasks: int, group_size: int, run
         f"optim.lr={LR}",
     ]
     cfg = load_config(TrainConfig, None, overrides)
-    history = train(cfg, model=model, tokenizer=tokenizer, make_env=lambda: SingleTurnEnv(tokenizer), tasks=tasks)
+    history = train(
+        cfg, model=model, tokenizer=tokenizer, make_env=lambda: SingleTurnEnv(tokenizer, prefix), tasks=tasks
+    )
     last = history[-1]
     print(
         f"agent-r1 step 2: {last['time/step']:.1f}s (rollout {last['time/rollout']:.1f}s, "
@@ -86,7 +96,12 @@ def run_agent_r1(tasks: list[dict[str, Any]], n_tasks: int, group_size: int, run
 
 
 def run_trl(
-    tasks: list[dict[str, Any]], n_tasks: int, group_size: int, out_dir: str, checkpointing: bool
+    tasks: list[dict[str, Any]],
+    n_tasks: int,
+    group_size: int,
+    out_dir: str,
+    checkpointing: bool,
+    prefix: list[dict[str, str]],
 ) -> tuple[float, float]:
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -117,7 +132,7 @@ def run_trl(
 
     model.generate = timed_generate  # to split TRL's step into generation and the rest
     data = Dataset.from_list(
-        [{"prompt": [{"role": "user", "content": t["question"]}], "answer": str(t["answer"])} for t in tasks]
+        [{"prompt": prompt_messages(t["question"], prefix), "answer": str(t["answer"])} for t in tasks]
     )
     args = GRPOConfig(
         output_dir=out_dir,
@@ -156,10 +171,22 @@ def run_trl(
     return seconds, length
 
 
+def prompt_prefix(kind: str, tokenizer: Any) -> list[dict[str, str]]:
+    """ "bare": the question alone (the chat template adds its default system prompt); "tools": the
+    calculator recipe's own system prompt (instructions + the tool schema), what an agent trains on."""
+    if kind == "bare":
+        return []
+    from agent_r1.env.prompt_format import prompt_format_for
+    from agent_r1.recipes.calculator import make_env
+
+    return make_env(prompt_format_for(tokenizer, chat=True), few_shot=False).prompt_prefix
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=2, help="prompts per step")
     parser.add_argument("--group-size", type=int, default=8, help="completions per prompt")
+    parser.add_argument("--prompt", choices=("bare", "tools", "both"), default="both", help="prompt(s) to run")
     args = parser.parse_args()
     try:
         import trl
@@ -172,18 +199,31 @@ def main() -> None:
     print(f"trl {trl.__version__}, transformers {transformers.__version__}, torch {torch.__version__}")
     print(f"torch threads {torch.get_num_threads()}, {args.tasks} prompts x {args.group_size} completions")
     tasks = make_tasks(max(64, 4 * args.tasks), ops=(1,))
-    tmp = tempfile.mkdtemp(prefix="vs_trl_")
-    try:
-        results = {"agent-r1": run_agent_r1(tasks, args.tasks, args.group_size, f"{tmp}/agent_r1")}
-        for ckpt in (True, False):
-            name = f"TRL, gradient_checkpointing={ckpt}" + (" (default)" if ckpt else "")
-            results[name] = run_trl(tasks, args.tasks, args.group_size, f"{tmp}/trl_{ckpt}", ckpt)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    ours = results["agent-r1"][0]
-    print(f"\n{'':42} {'s/step':>7} {'mean completion tokens':>23} {'ratio vs agent-r1':>18}")
-    for name, (seconds, length) in results.items():
-        print(f"{name:42} {seconds:7.1f} {length:23.1f} {seconds / ours:17.2f}x")
+    _, tokenizer = load_model("default")
+    table = []
+    for kind in ("bare", "tools") if args.prompt == "both" else (args.prompt,):
+        prefix = prompt_prefix(kind, tokenizer)
+        n_prompt = len(
+            tokenizer.apply_chat_template(
+                prompt_messages(tasks[0]["question"], prefix),
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
+        print(f"\n=== prompt {kind!r}: {n_prompt} tokens ===")
+        tmp = tempfile.mkdtemp(prefix="vs_trl_")
+        try:
+            results = {"agent-r1": run_agent_r1(tasks, args.tasks, args.group_size, f"{tmp}/agent_r1", prefix)}
+            for ckpt in (True, False):
+                name = f"TRL, gradient_checkpointing={ckpt}" + (" (default)" if ckpt else "")
+                results[name] = run_trl(tasks, args.tasks, args.group_size, f"{tmp}/trl_{ckpt}", ckpt, prefix)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        table += [(f"{kind} ({n_prompt} tok)", name, *r, r[0] / results["agent-r1"][0]) for name, r in results.items()]
+    print(f"\n{'prompt':16} {'':42} {'s/step':>7} {'mean completion tokens':>23} {'ratio vs agent-r1':>18}")
+    for prompt, name, seconds, length, ratio in table:
+        print(f"{prompt:16} {name:42} {seconds:7.1f} {length:23.1f} {ratio:17.2f}x")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from agent_r1.models import resolve_model_path
+from agent_r1.models.onednn import use_onednn
 from agent_r1.rollout.local_engine import LocalEngine
 
 
@@ -19,7 +20,8 @@ def tokenizer():
 
 
 def make_tiny_llama(vocab_size: int, hidden: int = 64, eos: int = 2, pad: int = 2, seed: int = 0) -> LlamaForCausalLM:
-    """A 2-layer Llama with random weights: fast, deterministic, exercises GQA, RoPE and the KV cache."""
+    """A 2-layer Llama with random weights: fast, deterministic, exercises GQA, RoPE and the KV cache.
+    Its linear layers run on oneDNN where available, like every model `load_model` returns."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size,
@@ -33,7 +35,9 @@ def make_tiny_llama(vocab_size: int, hidden: int = 64, eos: int = 2, pad: int = 
         eos_token_id=eos,
         pad_token_id=pad,
     )
-    return LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config).eval()
+    use_onednn(model)
+    return model
 
 
 @pytest.fixture(scope="session")

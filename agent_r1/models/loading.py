@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from agent_r1.models.onednn import use_onednn
+
 
 class ModelNotFoundError(ValueError):
     """A model name or path that resolves to nothing loadable (one-line message)."""
@@ -138,9 +140,11 @@ def is_chat_model(name_or_path: str, tokenizer: PreTrainedTokenizerBase) -> bool
 def load_model(
     name_or_path: str = "default", dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load model and tokenizer in fp32 (bf16 is slower than fp32 on CPUs without AMX)."""
+    """Load model and tokenizer in fp32 (bf16 is slower than fp32 on CPUs without AMX), with the
+    linear layers on oneDNN where that is available (agent_r1/models/onednn.py says why)."""
     path = resolve_model_path(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
+    use_onednn(model)
     return model, tokenizer

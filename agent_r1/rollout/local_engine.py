@@ -25,9 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from agent_r1.rollout.engine import GenerateOutput, SamplingParams
+from agent_r1.rollout.kv_cache import BufferedCache
 
 TokenCallback = Callable[[int, int, float], None]  # (index of the prompt in its call, token id, log-prob)
 RowHook = Callable[[int, int, float], bool]  # (batch row, token id, log-prob) -> keep decoding this row
@@ -139,7 +140,7 @@ class LocalEngine:
         if not rows:
             return self._outputs(prompts, out_ids, out_lp, finish)
         live = [prompts[i] for i in rows]
-        cache = DynamicCache()
+        cache = BufferedCache(capacity=max(len(p) for p in live) + max(budget))
         shared = self._prefill_shared_prefix(live, cache)  # C tokens every row starts with, cached once
         b, C = len(live), shared
         S = max(len(p) for p in live) - C
@@ -193,7 +194,7 @@ class LocalEngine:
             next_pos = next_pos + 1
         return self._outputs(prompts, out_ids, out_lp, finish)
 
-    def _prefill_shared_prefix(self, prompts: list[list[int]], cache: DynamicCache) -> int:
+    def _prefill_shared_prefix(self, prompts: list[list[int]], cache: BufferedCache) -> int:
         """Run the longest prefix all prompts share once and copy its KV cache to every row.
 
         Agent prompts repeat a long system prompt, tool schemas and few-shot examples, and a GRPO group

@@ -37,6 +37,7 @@ from agent_r1.env.base import Env
 from agent_r1.env.prompt_format import prompt_format_for
 from agent_r1.models.loading import is_chat_model, load_model
 from agent_r1.models.lora import with_lora
+from agent_r1.models.onednn import use_onednn
 from agent_r1.observe.health import HealthMonitor
 from agent_r1.observe.loggers import Loggers
 from agent_r1.observe.plot import plot_metrics, read_metrics
@@ -47,7 +48,7 @@ from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.merge import merge_trajectory
 from agent_r1.trainer.batching import MicroBatch, Row, pack, token_logprobs
 from agent_r1.trainer.checkpoint import export_policy, latest_checkpoint, load_checkpoint, save_checkpoint
-from agent_r1.trainer.common import lr_schedule, progress_bar
+from agent_r1.trainer.common import adamw, lr_schedule, progress_bar
 from agent_r1.trainer.config import TrainConfig
 from agent_r1.types import Trajectory
 
@@ -74,13 +75,14 @@ def train(
     # --- model, reference, critic, optimizer -------------------------------------------------------
     if model is None:
         model, tokenizer = load_model(cfg.model)
+    use_onednn(model)  # a model passed in gets the same kernels as a loaded one (no-op if it has them)
     policy = with_lora(model, cfg.lora) if cfg.lora.enabled else model
     ref = _reference(policy, cfg)
     critic = Critic(policy, cfg.algo.critic) if cfg.algo.estimator == "ppo" else None
     modules: dict[str, torch.nn.Module] = {"policy": policy} | ({"critic": critic} if critic else {})
     params = [p for m in modules.values() for p in m.parameters() if p.requires_grad]
     params = list({id(p): p for p in params}.values())  # the head critic shares the policy backbone
-    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    optimizer = adamw(params, cfg.optim.lr, cfg.optim.weight_decay)
     total_updates = cfg.steps * cfg.algo.epochs * cfg.algo.mini_batches
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_schedule(total_updates, cfg.optim.warmup_steps, cfg.optim.schedule)

@@ -24,11 +24,12 @@ from agent_r1.env.prompt_format import prompt_format_for
 from agent_r1.env.tool_env import ToolEnv
 from agent_r1.models.loading import is_chat_model, load_model
 from agent_r1.models.lora import with_lora
+from agent_r1.models.onednn import use_onednn
 from agent_r1.recipes import calculator as calc_recipe
 from agent_r1.recipes import gsm8k, hotpotqa, tasks_and_env
 from agent_r1.trainer.batching import Row, pack, token_logprobs
 from agent_r1.trainer.checkpoint import export_policy, save_checkpoint
-from agent_r1.trainer.common import lr_schedule, progress_bar
+from agent_r1.trainer.common import adamw, lr_schedule, progress_bar
 from agent_r1.trainer.config import LoraConfig
 from agent_r1.types import Message
 from agent_r1.utils.jsonl import append_jsonl
@@ -106,6 +107,7 @@ def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any 
     torch.manual_seed(cfg.seed)
     if model is None:
         model, tokenizer = load_model(cfg.model)
+    use_onednn(model)  # a model passed in gets the same kernels as a loaded one (no-op if it has them)
     policy = with_lora(model, cfg.lora) if cfg.lora.enabled else model
     chat = is_chat_model(cfg.model, tokenizer) if cfg.prompt_format == "auto" else cfg.prompt_format == "chat"
     fmt = prompt_format_for(tokenizer, chat=chat)
@@ -132,7 +134,7 @@ def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any 
         )
 
     params = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr)
+    optimizer = adamw(params, cfg.lr)
     total = cfg.epochs * -(-len(rows) // cfg.batch_size)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(total, cfg.warmup_steps, "cosine"))
     order_rng = random.Random(cfg.seed)

@@ -9,10 +9,10 @@ import sys
 import tempfile
 
 import pytest
-from transformers import AutoModelForCausalLM
 
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.env.tool_env import ToolEnv
+from agent_r1.models import load_model
 from agent_r1.rollout.agent_loop import AgentEnvLoop
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
@@ -49,7 +49,7 @@ def rollout(engine, tokenizer, sampling):
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded-sampling"])
 def test_rollout_through_the_server_matches_the_local_engine(server_url, tool_model_dir, tokenizer, temperature):
     sampling = SamplingParams(max_new_tokens=40, temperature=temperature)
-    model = AutoModelForCausalLM.from_pretrained(tool_model_dir).eval()
+    model, _ = load_model(str(tool_model_dir))  # the server's loader: the same kernels on both sides
     local = rollout(LocalEngine(model, tokenizer), tokenizer, sampling)
     remote = rollout(RemoteEngine(server_url), tokenizer, sampling)
     assert len(local[0].steps) == 2 and local[0].steps[0].info["tool_calls"] == 1  # a real multi-turn episode

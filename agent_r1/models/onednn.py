@@ -1,0 +1,83 @@
+"""Run a model's fp32 linear layers through oneDNN on x86 CPUs, forward and backward.
+
+Why: PyTorch's CPU matmul calls MKL's sgemm, and MKL takes its AVX2 code path on CPUs that are not
+Intel's. On this project's AMD EPYC (AVX-512), MKL reaches 227 GFLOP/s at 1024 rows; oneDNN, which
+ships inside PyTorch and dispatches on the CPU's actual features, reaches 473. At the 16-row batches
+of decoding the gap is the same: 77 against 161 GFLOP/s (docs/benchmarks.md). Linear layers are
+about 75% of both a decode step and a training step, so this halves most of the time of an RL step.
+
+The switch is a class swap: each `nn.Linear` becomes a `OneDNNLinear`, a subclass whose forward
+calls `torch.ops.mkldnn._linear_pointwise` (the op `torch.compile`'s CPU backend emits for linear
+layers) and whose backward computes both gradients with the same op on transposed views. Weights,
+state dicts, peft wrapping and `deepcopy` are unchanged. The results differ from MKL's only by fp32
+rounding (relative ~1e-6); the rollout and the trainer use the same kernels, and the log-prob
+consistency test (DESIGN.md §1) guards the difference. Set `AGENT_R1_ONEDNN=0` to keep MKL.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def onednn_available() -> bool:
+    """oneDNN's linear op exists (an x86 PyTorch build with mkldnn) and the user has not opted out."""
+    return (
+        os.environ.get("AGENT_R1_ONEDNN", "1") != "0"
+        and platform.machine().lower() in ("x86_64", "amd64")
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias with oneDNN: x [..., in], weight [out, in] (strided views are fine) -> [..., out]."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class _LinearFn(torch.autograd.Function):
+    """F.linear's gradients, with every product computed by oneDNN."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])  # [N, out]
+        grad_x = _linear(grad, weight.t()) if ctx.needs_input_grad[0] else None  # [..., in] = grad @ W
+        grad_w = _linear(g.t(), x.reshape(-1, x.shape[-1]).t()) if ctx.needs_input_grad[1] else None  # [out, in]
+        grad_b = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+class OneDNNLinear(nn.Linear):
+    """An `nn.Linear` computed by oneDNN when input and weight are fp32 on the CPU."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0:
+            return F.linear(x, w, self.bias)
+        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+            return _LinearFn.apply(x, w, self.bias)
+        return _linear(x, w, self.bias)
+
+
+def use_onednn(model: nn.Module) -> int:
+    """Swap every `nn.Linear` of `model` to `OneDNNLinear` in place; returns how many were swapped
+    (0 when oneDNN is unavailable or switched off)."""
+    if not onednn_available():
+        return 0
+    swapped = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = OneDNNLinear
+            swapped += 1
+    return swapped

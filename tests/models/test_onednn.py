@@ -1,0 +1,93 @@
+"""oneDNN linear layers: the same values and gradients as F.linear (up to fp32 rounding), in place."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agent_r1.models.lora import with_lora
+from agent_r1.models.onednn import OneDNNLinear, onednn_available, use_onednn
+from agent_r1.trainer.config import LoraConfig
+from tests.conftest import make_tiny_llama
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="needs an x86 PyTorch build with oneDNN")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(7, 24), (3, 5, 24)], ids=["2d", "3d"])
+def test_forward_and_gradients_match_f_linear(bias, shape):
+    torch.manual_seed(0)
+    layer = nn.Linear(24, 40, bias=bias)
+    fast = copy.deepcopy(layer)
+    assert use_onednn(fast) == 1 and type(fast) is OneDNNLinear
+    x = torch.randn(shape, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    g = torch.randn(*shape[:-1], 40)  # an upstream gradient that is not all ones
+
+    expected = F.linear(x, layer.weight, layer.bias)
+    got = fast(x2)
+    (expected * g).sum().backward()
+    (got * g).sum().backward()
+
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast.weight.grad, layer.weight.grad, rtol=1e-5, atol=1e-5)
+    if bias:
+        torch.testing.assert_close(fast.bias.grad, layer.bias.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_frozen_weight_gets_no_gradient_and_inference_needs_none():
+    layer = nn.Linear(8, 4)
+    use_onednn(layer)
+    layer.requires_grad_(False)
+    x = torch.randn(2, 8, requires_grad=True)
+    layer(x).sum().backward()
+    assert layer.weight.grad is None and x.grad is not None
+    with torch.inference_mode():
+        assert not layer(torch.randn(2, 8)).requires_grad
+
+
+def test_swap_keeps_weights_state_dict_and_deepcopy():
+    model = make_tiny_llama(100)  # already swapped by the fixture helper
+    n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
+    assert n_linear == sum(type(m) is OneDNNLinear for m in model.modules()) > 0
+    assert use_onednn(model) == 0  # idempotent: nothing left to swap
+    clone = copy.deepcopy(model)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), clone.state_dict().values(), strict=True))
+    assert type(clone.lm_head) is OneDNNLinear
+
+
+def test_the_whole_model_matches_mkl_in_values_and_gradients():
+    torch.manual_seed(0)
+    fast = make_tiny_llama(100)
+    plain = copy.deepcopy(fast)
+    for m in plain.modules():
+        if type(m) is OneDNNLinear:
+            m.__class__ = nn.Linear
+    ids = torch.randint(0, 100, (2, 12))
+    lp_fast = torch.log_softmax(fast(ids).logits, -1)
+    lp_plain = torch.log_softmax(plain(ids).logits, -1)
+    torch.testing.assert_close(lp_fast, lp_plain, rtol=1e-5, atol=1e-5)
+    lp_fast[..., 3].sum().backward()
+    lp_plain[..., 3].sum().backward()
+    for (name, a), b in zip(fast.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_lora_on_top_trains_only_the_adapters():
+    model = make_tiny_llama(100)
+    policy = with_lora(model, LoraConfig(enabled=True, r=4))
+    ids = torch.randint(0, 100, (1, 10))
+    policy(input_ids=ids).logits.sum().backward()
+    grads = {n for n, p in policy.named_parameters() if p.grad is not None}
+    assert grads and all("lora_" in n for n in grads)
+
+
+def test_opting_out_keeps_mkl(monkeypatch):
+    monkeypatch.setenv("AGENT_R1_ONEDNN", "0")
+    layer = nn.Linear(4, 4)
+    assert not onednn_available() and use_onednn(layer) == 0 and type(layer) is nn.Linear
