@@ -25,6 +25,7 @@ from agent_r1.trainer.config import TrainConfig
 from agent_r1.trainer.export import ExportConfig, run_export
 from agent_r1.trainer.rl import train
 from agent_r1.trainer.sft import SFTConfig, sft
+from agent_r1.utils.malloc import fix_mmap_threshold
 
 COMMANDS = {
     "demo": (DemoConfig, run_demo, "the main job: eval -> SFT cold start -> RL -> eval, with a results table"),
@@ -43,6 +44,7 @@ POSITIONAL = {"export": "checkpoint", "view": "run_dir", "plot": "run_dir"}
 
 
 def main(argv: list[str] | None = None) -> int:
+    fix_mmap_threshold()  # long CPU runs otherwise fragment the heap (agent_r1/utils/malloc.py)
     parser = argparse.ArgumentParser(prog="agent-r1", description="RL for multi-turn, tool-using LLM agents")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (cls, _, help_text) in COMMANDS.items():

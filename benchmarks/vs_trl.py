@@ -6,14 +6,20 @@ reward = numeric match of the last number, beta / KL = 0 (no reference model), l
 runs two steps and the second one is timed (the first includes warm-up). agent-r1's time is `time/step` from the
 returned history (rollout + rows + update); TRL's is on_step_begin -> on_step_end of its second step (generation,
 rewards, forward + backward, optimizer step). agent-r1 keeps zero-variance groups (`algo.zero_variance_groups=keep`)
-so both sides update on every completion. TRL runs twice: with its default `gradient_checkpointing=True` and
-with it off (agent-r1 does not checkpoint activations). Step times vary with how long the sampled completions are,
-so the mean completion length of the timed step is printed too.
+so both sides update on every completion. TRL gets a stock Hugging Face model and runs three times: with its
+default `gradient_checkpointing=True`, with it off (agent-r1 does not checkpoint activations), and with it off and
+agent-r1's oneDNN linear layers swapped into its model (agent_r1/models/onednn.py), which separates the kernel's
+share of the gap from the rest. Step times vary with how long the sampled completions are, so the mean completion
+length of the timed step is printed too.
+
+Two prompts (`--prompt both`, the default): "bare" is the question alone (the chat template adds its default
+system prompt, 53 tokens in all); "tools" is the calculator recipe's own system prompt with the tool schema
+(265 tokens), what an agent is trained on. Both trainers render the same messages with the same chat template.
 
 TRL is an optional extra for this script only:
 
     pip install trl
-    python benchmarks/vs_trl.py [--tasks 2] [--group-size 8]
+    python benchmarks/vs_trl.py [--tasks 2] [--group-size 8] [--prompt bare|tools|both]
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from typing import Any
 
 from agent_r1.config import load_config
 from agent_r1.env.base import StepResult
-from agent_r1.models import load_model
+from agent_r1.models import load_model, resolve_model_path
+from agent_r1.models.onednn import use_onednn
 from agent_r1.recipes.calculator import make_tasks
 from agent_r1.rewards.numeric import numeric_match
 from agent_r1.trainer.config import TrainConfig
@@ -101,10 +108,12 @@ def run_trl(
     group_size: int,
     out_dir: str,
     checkpointing: bool,
+    onednn: bool,
     prefix: list[dict[str, str]],
 ) -> tuple[float, float]:
+    import torch
     from datasets import Dataset
-    from transformers import TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     class StepTimer(TrainerCallback):
@@ -121,7 +130,11 @@ def run_trl(
     def reward(completions: list, answer: list[str], **kwargs) -> list[float]:
         return [numeric_match(c[-1]["content"], a) for c, a in zip(completions, answer, strict=True)]
 
-    model, tokenizer = load_model("default")
+    path = resolve_model_path("default")  # a stock Hugging Face model, as a TRL user loads it
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if onednn:
+        use_onednn(model)
     generate, generations = model.generate, []
 
     def timed_generate(*a, **kw):
@@ -215,15 +228,18 @@ def main() -> None:
         tmp = tempfile.mkdtemp(prefix="vs_trl_")
         try:
             results = {"agent-r1": run_agent_r1(tasks, args.tasks, args.group_size, f"{tmp}/agent_r1", prefix)}
-            for ckpt in (True, False):
+            for ckpt, onednn in ((True, False), (False, False), (False, True)):
                 name = f"TRL, gradient_checkpointing={ckpt}" + (" (default)" if ckpt else "")
-                results[name] = run_trl(tasks, args.tasks, args.group_size, f"{tmp}/trl_{ckpt}", ckpt, prefix)
+                name += ", oneDNN linears" if onednn else ""
+                results[name] = run_trl(
+                    tasks, args.tasks, args.group_size, f"{tmp}/trl_{ckpt}_{onednn}", ckpt, onednn, prefix
+                )
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         table += [(f"{kind} ({n_prompt} tok)", name, *r, r[0] / results["agent-r1"][0]) for name, r in results.items()]
-    print(f"\n{'prompt':16} {'':42} {'s/step':>7} {'mean completion tokens':>23} {'ratio vs agent-r1':>18}")
+    print(f"\n{'prompt':16} {'':58} {'s/step':>7} {'mean completion tokens':>23} {'ratio vs agent-r1':>18}")
     for prompt, name, seconds, length, ratio in table:
-        print(f"{prompt:16} {name:42} {seconds:7.1f} {length:23.1f} {ratio:17.2f}x")
+        print(f"{prompt:16} {name:58} {seconds:7.1f} {length:23.1f} {ratio:17.2f}x")
 
 
 if __name__ == "__main__":

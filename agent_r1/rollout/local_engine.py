@@ -2,9 +2,11 @@
 
 Concurrent `generate` calls (one per trajectory in the agent loop) are queued and decoded together
 as one left-padded batch with a KV cache, so a turn of N×G trajectories costs one batched decode, not
-N×G. Finished rows are dropped from the batch and its cache as soon as they stop, so a batch costs
-what its still-running rows need. Decoding runs in a worker thread, which lets the event loop keep
-running tool calls while the model decodes.
+N×G. The prefill runs each distinct prompt once (a GRPO group's G copies share one) and the prefix
+common to all prompts once (the system prompt and tool schemas). Finished rows are dropped from the
+batch and its cache as soon as they stop, so a batch costs what its still-running rows need.
+Decoding runs in a worker thread, which lets the event loop keep running tool calls while the model
+decodes.
 
 Each row samples from its own seeded generator, so a request's tokens do not depend on which other
 requests happened to share its batch (up to fp32 rounding differences between batch shapes).
@@ -140,17 +142,20 @@ class LocalEngine:
         if not rows:
             return self._outputs(prompts, out_ids, out_lp, finish)
         live = [prompts[i] for i in rows]
+        index: dict[tuple[int, ...], int] = {}  # a GRPO group repeats its prompt: prefill each one once
+        which = torch.tensor([index.setdefault(tuple(p), len(index)) for p in live])  # [b] row -> distinct prompt
+        unique = [list(p) for p in index]
         cache = BufferedCache(capacity=max(len(p) for p in live) + max(budget))
-        shared = self._prefill_shared_prefix(live, cache)  # C tokens every row starts with, cached once
-        b, C = len(live), shared
-        S = max(len(p) for p in live) - C
-        suffix = torch.full((b, S), self.pad_id, dtype=torch.long)  # [b, S] left-padded after the prefix
-        attn = torch.zeros((b, C + S), dtype=torch.long)  # [b, C+S]
+        shared = self._prefill_shared_prefix(unique, cache)  # C tokens every prompt starts with, cached once
+        u, C = len(unique), shared
+        S = max(len(p) for p in unique) - C
+        suffix = torch.full((u, S), self.pad_id, dtype=torch.long)  # [u, S] left-padded after the prefix
+        attn = torch.zeros((u, C + S), dtype=torch.long)  # [u, C+S]
         attn[:, :C] = 1
-        for j, p in enumerate(live):
+        for j, p in enumerate(unique):
             suffix[j, S - (len(p) - C) :] = torch.tensor(p[C:])
             attn[j, C + S - (len(p) - C) :] = 1
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)[:, C:]  # [b, S] pads do not shift positions
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)[:, C:]  # [u, S] pads do not shift positions
         logits = self.model(
             input_ids=suffix,
             attention_mask=attn,
@@ -158,7 +163,10 @@ class LocalEngine:
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
-        ).logits[:, -1, :]  # [b, V]
+        ).logits[:, -1, :]  # [u, V]
+        if u < len(live):  # one copy of each prompt's cache per row that samples from it
+            cache.batch_select_indices(which)
+            logits, attn = logits[which], attn[which]  # [b, V], [b, C+S]
         next_pos = lens[torch.tensor(rows)]  # [b]
         window = max((len(s) for s in params.stop), default=0) + 2
         while True:
@@ -197,9 +205,10 @@ class LocalEngine:
     def _prefill_shared_prefix(self, prompts: list[list[int]], cache: BufferedCache) -> int:
         """Run the longest prefix all prompts share once and copy its KV cache to every row.
 
-        Agent prompts repeat a long system prompt, tool schemas and few-shot examples, and a GRPO group
-        repeats the whole task, so this removes most of the prefill (like vLLM's prefix caching, but
-        only within one batch). Each row keeps at least one token of its own to produce its logits.
+        Agent prompts repeat a long system prompt, tool schemas and few-shot examples, so this removes
+        most of the prefill (like vLLM's prefix caching, but only within one batch; identical prompts,
+        such as a GRPO group's, are already merged by the caller). Each prompt keeps at least one token
+        of its own to produce its logits.
         Returns the prefix length C (0 when sharing does not pay).
         """
         C = min(len(p) for p in prompts) - 1

@@ -171,16 +171,49 @@ def token_logprobs(
     """
     targets = mb.mask.nonzero().squeeze(-1)  # [M] positions of sampled tokens
     states = _shared_forward(model, mb) if mb.prefix_len else _packed_forward(model, mb)  # [L, H]
-    logits = model.get_output_embeddings()(states[targets - 1]).float() / temperature  # [M, V]
-    lse = torch.logsumexp(logits, dim=-1)  # [M]
-    picked = logits.gather(-1, mb.input_ids[targets, None]).squeeze(-1) - lse  # [M]
+    logits = model.get_output_embeddings()(states[targets - 1]).float()  # [M, V]
+    if temperature != 1.0:
+        logits = logits / temperature
+    ids = mb.input_ids[targets]  # [M]
+    if entropy and entropy_grad and torch.is_grad_enabled():  # an entropy bonus: autograd through both
+        lse = torch.logsumexp(logits, dim=-1)  # [M]
+        picked = logits.gather(-1, ids[:, None]).squeeze(-1) - lse  # [M]
+        per_token = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # [M]
+    else:
+        picked, per_token = _TokenLogprobs.apply(logits, ids, entropy)  # [M], [M] (entropy as a metric)
     logp = torch.zeros(len(mb.input_ids), dtype=picked.dtype).index_put((targets,), picked)
-    ent = None
-    if entropy:  # with a gradient only for an entropy bonus: the [M, V] softmax is costly to keep
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            per_token = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # [M]
-            ent = torch.zeros(len(mb.input_ids), dtype=per_token.dtype).index_put((targets,), per_token)
+    ent = torch.zeros(len(mb.input_ids), dtype=per_token.dtype).index_put((targets,), per_token) if entropy else None
     return logp, ent, states if hidden else None
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log p(target) of each row of logits [M, V], and optionally its entropy (no gradient).
+
+    Why: with M ~ 1000 sampled tokens and V = 49152, every [M, V] temporary is 200 MB. Autograd
+    through logsumexp, plus an entropy metric, makes about six of them; this makes one, the softmax,
+    and its backward reuses it in place: d log p(t) / dz = onehot(t) - softmax(z). The in-place reuse
+    means the graph must not be backpropagated twice (the trainer never retains it).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, ids: torch.Tensor, with_entropy: bool):
+        lse = torch.logsumexp(logits, dim=-1)  # [M]
+        logp = logits.gather(-1, ids[:, None]).squeeze(-1) - lse  # [M]
+        ent = torch.zeros_like(lse)
+        if ctx.needs_input_grad[0] or with_entropy:
+            probs = (logits - lse[:, None]).exp_()  # [M, V]
+            if with_entropy:  # H = lse - sum_v p_v z_v, the dot product without a [M, V] temporary
+                ent = lse - torch.bmm(probs[:, None, :], logits[:, :, None]).view(-1)
+            ctx.save_for_backward(probs, ids)
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp: torch.Tensor, _grad_ent: torch.Tensor):
+        probs, ids = ctx.saved_tensors
+        grad = probs.mul_(-grad_logp[:, None])  # [M, V] = -g * softmax
+        grad.scatter_add_(-1, ids[:, None], grad_logp[:, None])  # + g at the target
+        return grad, None, None
 
 
 def _packed_forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
@@ -201,19 +234,18 @@ def _shared_forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     backbone, C = _backbone(model), mb.prefix_len
     B, S = len(mb.row_lens), max(mb.row_lens) - C
     starts = torch.tensor([0, *mb.row_lens]).cumsum(0)[:-1]  # [B] row offsets in the flat tensors
+    embeds = backbone.get_input_embeddings()(mb.input_ids)  # [L, H] one lookup: one dense [V, H] gradient, not two
     cache = DynamicCache()
-    backbone(
-        input_ids=mb.input_ids[None, :C], position_ids=torch.arange(C)[None], past_key_values=cache, use_cache=True
-    )
+    backbone(inputs_embeds=embeds[None, :C], position_ids=torch.arange(C)[None], past_key_values=cache, use_cache=True)
     cache.batch_repeat_interleave(B)
-    suffix = torch.zeros((B, S), dtype=torch.long)  # [B, S] right-padded
+    take = torch.zeros((B, S), dtype=torch.long)  # [B, S] position in `embeds` of each suffix token (right-padded)
     attn = torch.zeros((B, C + S), dtype=torch.long)  # [B, C+S]
     attn[:, :C] = 1
     for b, (start, n) in enumerate(zip(starts.tolist(), mb.row_lens, strict=True)):
-        suffix[b, : n - C] = mb.input_ids[start + C : start + n]
+        take[b, : n - C] = torch.arange(start + C, start + n)
         attn[b, C:n] = 1
     out = backbone(
-        input_ids=suffix,
+        inputs_embeds=embeds[take],  # [B, S, H]
         attention_mask=attn,
         position_ids=(C + torch.arange(S)).expand(B, S),
         past_key_values=cache,

@@ -160,3 +160,22 @@ def test_shared_prefix_is_prefilled_once_and_changes_nothing(engine, tiny_model,
     greedy = gen(engine, prompts, max_new_tokens=8, temperature=0.0)
     for p, out in zip(prompts, greedy, strict=True):
         assert out.token_ids == gen(engine, [p], max_new_tokens=8, temperature=0.0)[0].token_ids
+
+
+def test_a_groups_repeated_prompt_is_prefilled_once(engine, tiny_model, tokenizer):
+    system = tokenizer.encode("You are a careful assistant. Use the calculator tool for every computation. " * 2)
+    a, b = (system + tokenizer.encode(q) for q in ("What is 12 * 34?", "Add 5 and 7, then double it"))
+    prompts = [a, a, a, b, b]  # two GRPO groups
+    calls = []
+    hook = tiny_model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape), with_kwargs=True)
+    try:
+        outs = gen(engine, prompts, max_new_tokens=12, temperature=1.0)
+    finally:
+        hook.remove()
+    assert (
+        calls[0] == (1, len(system)) and calls[1][0] == 2 and calls[2] == (5, 1)
+    )  # 2 prompts prefilled, 5 rows decode
+    for p, out in zip(prompts, outs, strict=True):
+        ref = recompute_logprobs(tiny_model, p + out.token_ids)[len(p) - 1 :]
+        assert (ref - torch.tensor(out.logprobs)).abs().max().item() < 1e-4
+    assert len({tuple(o.token_ids) for o in outs[:3]}) > 1  # the copies sample independently

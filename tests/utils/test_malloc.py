@@ -1,0 +1,47 @@
+"""The glibc mmap-threshold fix: after it, an 8 MB block is mmapped even after a 24 MB block was freed;
+without it, glibc's dynamic threshold grows to 24 MB and serves the block from the fragmenting heap.
+Each case runs in a fresh interpreter, whose heap has no free space to serve the block from."""
+
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from agent_r1.utils.malloc import fix_mmap_threshold
+
+glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+
+PROBE = """
+import ctypes, sys
+from agent_r1.utils.malloc import fix_mmap_threshold
+names = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in names]
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.free.argtypes, libc.mallinfo2.restype = ctypes.c_void_p, [ctypes.c_void_p], MallInfo2
+if sys.argv[1] == "fix":
+    assert fix_mmap_threshold()
+libc.free(libc.malloc(24 << 20))
+before = libc.mallinfo2().hblks
+libc.malloc(8 << 20)
+print(libc.mallinfo2().hblks - before)
+"""
+
+
+def mmapped_blocks(mode: str) -> int:
+    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True)
+    return int(out.stdout)
+
+
+@pytest.mark.skipif(not glibc, reason="glibc only")
+def test_blocks_above_the_threshold_stay_mmapped_after_a_large_free():
+    if tuple(map(int, platform.libc_ver()[1].split("."))) < (2, 33):
+        pytest.skip("mallinfo2 needs glibc >= 2.33")
+    assert mmapped_blocks("default") == 0  # glibc's own behaviour: the heap grows for it
+    assert mmapped_blocks("fix") == 1  # its own mapping, which free() returns to the OS
+
+
+@pytest.mark.skipif(glibc, reason="other allocators are left alone")
+def test_other_platforms_are_left_alone():
+    assert fix_mmap_threshold() is False
