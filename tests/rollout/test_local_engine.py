@@ -144,38 +144,42 @@ def test_sampling_params_reject_bad_values():
             SamplingParams(**kw)
 
 
-def test_shared_prefix_is_prefilled_once_and_changes_nothing(engine, tiny_model, tokenizer):
-    system = tokenizer.encode("You are a careful assistant. Use the calculator tool for every computation. " * 2)
-    prompts = [system + tokenizer.encode(q) for q in ("What is 12 * 34?", "Hi", "Add 5 and 7, then double it")]
+SYSTEM = "You are a careful assistant. Use the calculator tool for every computation. " * 2
+
+
+def generate_recording_shapes(engine, model, prompts, **kw):
+    """Generate, returning the outputs and the input shape of every forward pass, in order."""
     calls = []
-    hook = tiny_model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape), with_kwargs=True)
+    hook = model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape), with_kwargs=True)
     try:
-        batched = gen(engine, prompts, max_new_tokens=8, temperature=1.0)
+        return gen(engine, prompts, **kw), calls
     finally:
         hook.remove()
-    assert calls[0] == (1, len(system)) and calls[1][0] == 3  # the prefix ran once, then only the suffixes
-    for p, out in zip(prompts, batched, strict=True):
-        ref = recompute_logprobs(tiny_model, p + out.token_ids)[len(p) - 1 :]
+
+
+def assert_logprobs_match_a_plain_forward(model, prompts, outs):
+    for p, out in zip(prompts, outs, strict=True):
+        ref = recompute_logprobs(model, p + out.token_ids)[len(p) - 1 :]
         assert (ref - torch.tensor(out.logprobs)).abs().max().item() < 1e-4
+
+
+def test_shared_prefix_is_prefilled_once_and_changes_nothing(engine, tiny_model, tokenizer):
+    system = tokenizer.encode(SYSTEM)
+    prompts = [system + tokenizer.encode(q) for q in ("What is 12 * 34?", "Hi", "Add 5 and 7, then double it")]
+    batched, calls = generate_recording_shapes(engine, tiny_model, prompts, max_new_tokens=8, temperature=1.0)
+    assert calls[0] == (1, len(system)) and calls[1][0] == 3  # the prefix ran once, then only the suffixes
+    assert_logprobs_match_a_plain_forward(tiny_model, prompts, batched)
     greedy = gen(engine, prompts, max_new_tokens=8, temperature=0.0)
     for p, out in zip(prompts, greedy, strict=True):
         assert out.token_ids == gen(engine, [p], max_new_tokens=8, temperature=0.0)[0].token_ids
 
 
 def test_a_groups_repeated_prompt_is_prefilled_once(engine, tiny_model, tokenizer):
-    system = tokenizer.encode("You are a careful assistant. Use the calculator tool for every computation. " * 2)
+    system = tokenizer.encode(SYSTEM)
     a, b = (system + tokenizer.encode(q) for q in ("What is 12 * 34?", "Add 5 and 7, then double it"))
     prompts = [a, a, a, b, b]  # two GRPO groups
-    calls = []
-    hook = tiny_model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape), with_kwargs=True)
-    try:
-        outs = gen(engine, prompts, max_new_tokens=12, temperature=1.0)
-    finally:
-        hook.remove()
-    assert (
-        calls[0] == (1, len(system)) and calls[1][0] == 2 and calls[2] == (5, 1)
-    )  # 2 prompts prefilled, 5 rows decode
-    for p, out in zip(prompts, outs, strict=True):
-        ref = recompute_logprobs(tiny_model, p + out.token_ids)[len(p) - 1 :]
-        assert (ref - torch.tensor(out.logprobs)).abs().max().item() < 1e-4
+    outs, calls = generate_recording_shapes(engine, tiny_model, prompts, max_new_tokens=12, temperature=1.0)
+    assert calls[0] == (1, len(system)) and calls[1][0] == 2  # the shared prefix, then the 2 distinct prompts
+    assert calls[2] == (5, 1)  # then all 5 rows decode
+    assert_logprobs_match_a_plain_forward(tiny_model, prompts, outs)
     assert len({tuple(o.token_ids) for o in outs[:3]}) > 1  # the copies sample independently
