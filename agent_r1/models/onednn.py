@@ -1,9 +1,9 @@
 """Run a model's fp32 linear layers through oneDNN on x86 CPUs, forward and backward.
 
 Why: PyTorch's CPU matmul calls MKL's sgemm, and MKL takes its AVX2 code path on CPUs that are not
-Intel's. On this project's AMD EPYC (AVX-512), MKL reaches 227 GFLOP/s at 1024 rows; oneDNN, which
-ships inside PyTorch and dispatches on the CPU's actual features, reaches 473. At the 16-row batches
-of decoding the gap is the same: 77 against 161 GFLOP/s (docs/benchmarks.md). Linear layers are
+Intel's. On this project's AMD EPYC (AVX-512), MKL reaches ~210 GFLOP/s at 1024 rows; oneDNN, which
+ships inside PyTorch and dispatches on the CPU's actual features, reaches ~440. At the 16-row batches
+of decoding the gap is the same: 71 against 150 GFLOP/s (benchmarks/kernels.py, docs/benchmarks.md). Linear layers are
 about 75% of both a decode step and a training step, so this halves most of the time of an RL step.
 
 The switch is a class swap: each `nn.Linear` becomes a `OneDNNLinear`, a subclass whose forward

@@ -53,7 +53,8 @@ class _BufferedLayer(DynamicLayer):
         self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only the rows in `indices` (finished rows leave the batch)."""
+        """Keep the rows in `indices`, in that order; repeats copy a row (finished rows leave the
+        batch, and a distinct prompt's cache is copied to every row that samples from it)."""
         n = self.get_seq_length()
         if n == 0:
             return
