@@ -31,6 +31,8 @@ import tempfile
 import time
 from typing import Any
 
+from transformers import AutoTokenizer
+
 from agent_r1.config import load_config
 from agent_r1.env.base import StepResult
 from agent_r1.models import load_model, resolve_model_path
@@ -212,7 +214,7 @@ def main() -> None:
     print(f"trl {trl.__version__}, transformers {transformers.__version__}, torch {torch.__version__}")
     print(f"torch threads {torch.get_num_threads()}, {args.tasks} prompts x {args.group_size} completions")
     tasks = make_tasks(max(64, 4 * args.tasks), ops=(1,))
-    _, tokenizer = load_model("default")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("default"))
     table = []
     for kind in ("bare", "tools") if args.prompt == "both" else (args.prompt,):
         prefix = prompt_prefix(kind, tokenizer)

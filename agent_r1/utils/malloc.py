@@ -4,8 +4,9 @@ glibc serves blocks above its mmap threshold with mmap and returns them to the O
 raises that threshold to the size of every mmapped block freed (up to 32 MB). After the first large
 free, PyTorch's many 4-32 MB temporaries (activations, KV buffers, transposed copies) come from the
 heap instead, fragment it and are not given back: `make demo` peaked at 16.8 GB RSS. A fixed 4 MB
-threshold keeps them mmapped; an RL step of the demo config then peaks 1.6 GB lower at the same speed
-(docs/benchmarks.md). The CLI calls this once at start-up; other allocators (musl, macOS) are left alone.
+threshold keeps them mmapped: the demo then peaks at ~10 GB. The price is more page faults; two RL
+steps showed no slowdown, whole demo runs maybe 5-10% (docs/benchmarks.md). The CLI calls this
+once at start-up; other allocators (musl, macOS) are left alone.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import LlamaForCausalLM
 
 from agent_r1.models.lora import with_lora
 from agent_r1.models.onednn import OneDNNLinear, onednn_available, use_onednn
@@ -56,9 +57,11 @@ def test_swap_keeps_weights_state_dict_and_deepcopy():
     n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
     assert n_linear == sum(type(m) is OneDNNLinear for m in model.modules()) > 0
     assert use_onednn(model) == 0  # idempotent: nothing left to swap
+    plain = LlamaForCausalLM(model.config)  # never swapped: the checkpoint layout a swap must keep
+    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in plain.state_dict().items()}
+    plain.load_state_dict(model.state_dict())  # strict: every key and shape lines up both ways
     clone = copy.deepcopy(model)
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), clone.state_dict().values(), strict=True))
-    assert type(clone.lm_head) is OneDNNLinear
+    assert type(clone.lm_head) is OneDNNLinear and clone.lm_head is not model.lm_head
 
 
 def test_the_whole_model_matches_mkl_in_values_and_gradients():
