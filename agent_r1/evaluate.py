@@ -6,19 +6,21 @@ Reads top to bottom: load model -> build env + engine -> roll out every task -> 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from rich.console import Console
 from rich.table import Table
 
-from agent_r1.data import load_tasks
+from agent_r1.data import Split, load_tasks
+from agent_r1.env.base import Env
 from agent_r1.env.prompt_format import prompt_format_for
 from agent_r1.models.loading import is_chat_model, load_model
 from agent_r1.observe.records import trajectory_records, write_records
 from agent_r1.recipes import Recipe, tasks_and_env
 from agent_r1.rollout.agent_loop import AgentEnvLoop, summarize
-from agent_r1.rollout.engine import SamplingParams
+from agent_r1.rollout.engine import Engine, SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.types import Trajectory
 
@@ -30,7 +32,9 @@ class EvalConfig:
     recipe: Recipe = "calculator"
     """task, tools and reward: calculator (synthetic word problems), gsm8k, or hotpotqa (search)"""
     data: str | None = None
-    """jsonl of tasks with question/answer; None = the recipe's generated held-out split"""
+    """jsonl of tasks with question/answer; None = the recipe's own tasks of `split`"""
+    split: Split = "test"
+    """the recipe's split: test (held out), val (what training validates on) or train"""
     num_tasks: int = 32
     """how many tasks to evaluate (the first N of the data)"""
     ops: tuple[int, ...] = (1, 2)
@@ -80,22 +84,31 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str,
     chat = is_chat_model(cfg.model, tokenizer) if cfg.prompt_format == "auto" else cfg.prompt_format == "chat"
     fmt = prompt_format_for(tokenizer, chat=chat)
     tasks, make_env = tasks_and_env(
-        cfg.recipe, fmt, held_out=True, n=cfg.num_tasks, ops=cfg.ops, data=cfg.data,
+        cfg.recipe, fmt, split=cfg.split, n=cfg.num_tasks, ops=cfg.ops, data=cfg.data,
         max_turns=cfg.max_turns, few_shot=cfg.few_shot, retriever=cfg.retriever, max_tool_tokens=cfg.max_tool_tokens,
     )  # fmt: skip
     engine = LocalEngine(model, tokenizer, max_batch_size=cfg.max_batch_size, seed=cfg.seed)
-    loop = AgentEnvLoop(engine, make_env, cfg.sampling, seed=cfg.seed)
-
-    start = time.perf_counter()
     with console.status(f"rolling out {len(tasks)} tasks × {cfg.group_size} on {cfg.model}"):
-        trajs = loop.run_sync(tasks, cfg.group_size)
-    metrics = summarize(trajs)
-    metrics["seconds"] = time.perf_counter() - start
-    metrics["accuracy"] = metrics.get("reward/correct", sum(t.reward >= 1.0 for t in trajs) / len(trajs))
-
+        metrics, trajs = evaluate(engine, make_env, tasks, cfg.sampling, cfg.group_size, cfg.seed)
     if cfg.out:  # the viewer reads these: agent-r1 view OUT
         write_records(cfg.out, trajectory_records(trajs, tokenizer))
     console.print(report_table(cfg.model, metrics))
+    return metrics, trajs
+
+
+def evaluate(
+    engine: Engine, make_env: Callable[[], Env], tasks: list[dict[str, Any]], sampling: SamplingParams,
+    group_size: int = 1, seed: int = 0,
+) -> tuple[dict[str, float], list[Trajectory]]:  # fmt: skip
+    """Roll every task out `group_size` times; summary metrics plus `accuracy` and `seconds`.
+
+    Accuracy is the mean `reward/correct` part when the reward reports one (the format bonus must
+    not count), else the share of episodes with reward >= 1."""
+    start = time.perf_counter()
+    trajs = AgentEnvLoop(engine, make_env, sampling, seed=seed).run_sync(tasks, group_size)
+    metrics = summarize(trajs)
+    metrics["seconds"] = time.perf_counter() - start
+    metrics["accuracy"] = metrics.get("reward/correct", sum(t.reward >= 1.0 for t in trajs) / len(trajs))
     return metrics, trajs
 
 

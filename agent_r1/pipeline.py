@@ -74,11 +74,19 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, dict[
     )
     timings["rl"] = time.perf_counter() - t0
 
+    best_file = root / "rl" / "policy" / "best.json"  # written when RL validates and keeps its best step
+    selected = json.loads(best_file.read_text()) if best_file.is_file() else None
+    if selected:
+        step, acc = selected["step"], selected["accuracy"]
+        console.print(f"RL kept step {step} of {cfg.rl.steps}: the best validation accuracy, {acc:.1%}")
+
     console.rule("4/4 trained model")
     evaluate("rl", str(root / "rl" / "policy"))
 
-    plot_metrics(history, root / "curves.png", title="RL from the SFT checkpoint (training batches, T = 1)")
-    (root / "results.json").write_text(json.dumps({"results": results, "seconds": timings}, indent=1))
+    title = f"RL from the SFT checkpoint (training batches at T = {cfg.rl.rollout.temperature})"
+    plot_metrics(history, root / "curves.png", title=title)
+    summary = {"results": results, "seconds": timings, "rl_selected": selected}
+    (root / "results.json").write_text(json.dumps(summary, indent=1))
     console.print(results_table(results))
     console.print(f"curves: {root / 'curves.png'}   trained policy: {root / 'rl' / 'policy'}")
     return results

@@ -21,7 +21,7 @@ def main() -> None:
     parser.add_argument("--ks", default="1,2,3,5,10")
     args = parser.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
-    tasks = hotpotqa.load(held_out=args.split == "dev")
+    tasks = hotpotqa.load(split="test" if args.split == "dev" else "train")
     print(f"{len(tasks)} {args.split} questions, corpus of {len(hotpotqa.corpus())} passages")
     header = " ".join(f"{'R@' + str(k):>6}" for k in ks) + " " + " ".join(f"{'both@' + str(k):>7}" for k in ks)
     print(f"{'retriever':10} {header} {'ms/query':>9}")

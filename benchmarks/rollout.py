@@ -100,7 +100,7 @@ def main() -> None:
 
     model, tokenizer = load_model(args.model)
     fmt = prompt_format_for(tokenizer, chat=is_chat_model(args.model, tokenizer))
-    tasks = calculator.make_tasks(args.tasks, held_out=True)
+    tasks = calculator.make_tasks(args.tasks, split="test")
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}")
     print(f"model {args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, fp32")
     print(f"{args.tasks} calculator tasks, batch {args.tasks}, ≤{args.max_new_tokens} new tokens/turn, T=1")

@@ -24,7 +24,7 @@ def test_bundled_model_on_eight_calculator_tasks():
         SamplingParams(max_new_tokens=48, temperature=1.0),
         seed=0,
     )
-    tasks = calculator.make_tasks(8, held_out=True)
+    tasks = calculator.make_tasks(8, split="test")
     trajs = loop.run_sync(tasks, group_size=1)
     assert len(trajs) == 8
     assert all(t.termination in (Termination.ANSWERED, Termination.MAX_TURNS) for t in trajs)

@@ -17,7 +17,7 @@ def test_demo_pipeline_smoke(tmp_path, tokenizer):
         "eval.num_tasks=4", "eval.max_new_tokens=8", "eval.max_turns=2", "eval.few_shot=false",
         "sft.num_examples=4", "sft.epochs=1", "sft.batch_size=2",
         "rl.steps=2", "rl.save_every=1", "rl.few_shot=false", "rl.rollout.tasks_per_step=2", "rl.rollout.group_size=2",
-        "rl.rollout.max_new_tokens=8", "rl.rollout.max_turns=2",
+        "rl.rollout.max_new_tokens=8", "rl.rollout.max_turns=2", "rl.val.every=1", "rl.val.num_tasks=2",
     ]  # fmt: skip
     assert main(args) == 0
     results = json.loads((run / "results.json").read_text())["results"]
@@ -28,7 +28,11 @@ def test_demo_pipeline_smoke(tmp_path, tokenizer):
         assert len(lines) == 4 and json.loads(lines[0])["turns"]
     assert (run / "curves.png").stat().st_size > 1000
     assert (run / "rl/policy/config.json").is_file() and (run / "sft/policy/config.json").is_file()
-    assert len((run / "rl/metrics.jsonl").read_text().splitlines()) == 2
+    steps = [json.loads(x) for x in (run / "rl/metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [0, 1, 2] and all("val/accuracy" in m for m in steps)
+    selected = json.loads((run / "results.json").read_text())["rl_selected"]
+    assert selected == json.loads((run / "rl/policy/best.json").read_text())
+    assert selected["step"] == max((m for m in steps), key=lambda m: m["val/accuracy"])["step"]
     assert sorted(p.name for p in (run / "rl/trajectories").iterdir()) == [
         "step_000001.jsonl.gz",
         "step_000002.jsonl.gz",

@@ -19,6 +19,7 @@ PANELS: list[tuple[str, tuple[str, ...]]] = [
     ("response tokens / episode", ("response_tokens",)),
     ("KL to reference", ("kl", "kl_in_reward")),
     ("entropy", ("entropy",)),
+    ("validation accuracy (greedy)", ("val/accuracy",)),
 ]
 
 
@@ -58,7 +59,7 @@ def plot_metrics(history: list[Metrics], path: str | Path, title: str = "") -> P
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(2, 4, figsize=(14, 5.6))
+    fig, axes = plt.subplots(3, 3, figsize=(12, 8))
     for ax, (name, keys) in zip(axes.flat, PANELS, strict=True):
         key = next((k for k in keys if any(k in m for m in history)), None)
         ax.set_title(name)

@@ -2,17 +2,17 @@
 
 Numbers are 2–4 digits, large enough that a 135M model cannot do the arithmetic in its head, so the
 reward (exact numeric match of the final answer) rewards using the tool. Difficulty = number of
-operations (1–3). The held-out split is disjoint from training by construction: a problem is
-held out exactly when a stable hash of its text falls in a fixed 10% bucket, whatever the seed.
+operations (1–3). The splits are disjoint by construction: a problem's split (train, val or test =
+held out) is a fixed hash bucket of its text (agent_r1.data.splits), whatever the seed.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import random
 from typing import Any
 
+from agent_r1.data.splits import Split, split_of
 from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.env.tool_calls import extract_answer
 from agent_r1.env.tool_env import ToolEnv
@@ -74,18 +74,13 @@ def make_problem(rng: random.Random, ops: int) -> dict[str, Any]:
     }
 
 
-def is_held_out(question: str) -> bool:
-    """The fixed held-out bucket (10% of all problems), independent of any seed."""
-    return int(hashlib.sha256(question.encode()).hexdigest(), 16) % 10 == 0
-
-
-def make_tasks(n: int, seed: int = 0, ops: tuple[int, ...] = (1, 2), held_out: bool = False) -> list[dict[str, Any]]:
-    """`n` problems of the train or the held-out split, deterministic in `seed`."""
+def make_tasks(n: int, seed: int = 0, ops: tuple[int, ...] = (1, 2), split: Split = "train") -> list[dict[str, Any]]:
+    """`n` problems of one split, deterministic in `seed`; operation counts cycle through `ops`."""
     rng = random.Random(seed)
     tasks: list[dict[str, Any]] = []
     while len(tasks) < n:
         task = make_problem(rng, ops[len(tasks) % len(ops)])
-        if is_held_out(task["question"]) == held_out:
+        if split_of(task["question"]) == split:
             tasks.append(task)
     return tasks
 

@@ -1,18 +1,18 @@
 """GSM8K with a calculator: grade-school math word problems, answered after calculator calls.
 
-Data: ../shared/data/gsm8k/train.jsonl (the GSM8K train split, MIT). A fixed 10% of problems, chosen
-by a stable hash of the question, is the held-out split; the rest is for training. Reward: numeric
+Data: ../shared/data/gsm8k/train.jsonl (the GSM8K train split, MIT), split by a stable hash of the
+question into 10% held out (test), 10% validation and 80% train (agent_r1.data.splits). Reward: numeric
 match of the final answer with GSM8K's `#### N`.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 from pathlib import Path
 from typing import Any
 
 from agent_r1.data.jsonl import load_tasks
+from agent_r1.data.splits import Split, split_of
 from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.env.tool_env import ToolEnv
 from agent_r1.recipes.calculator import INSTRUCTIONS, reward
@@ -21,20 +21,16 @@ from agent_r1.tools import calculator
 DEFAULT_PATH = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 
 
-def is_held_out(question: str) -> bool:
-    return int(hashlib.sha256(question.encode()).hexdigest(), 16) % 10 == 0
-
-
 def final_answer(solution: str) -> float:
     """The number after GSM8K's `####`."""
     return float(solution.rsplit("####", 1)[1].strip().replace(",", ""))
 
 
-def load(path: str | Path = DEFAULT_PATH, held_out: bool = False, n: int | None = None) -> list[dict[str, Any]]:
+def load(path: str | Path = DEFAULT_PATH, split: Split = "train", n: int | None = None) -> list[dict[str, Any]]:
     """GSM8K tasks of one split: question, answer (the number), solution (the annotated text)."""
     tasks = []
     for row in load_tasks(path):
-        if is_held_out(row["question"]) == held_out:
+        if split_of(row["question"]) == split:
             tasks.append(
                 {"question": row["question"], "answer": final_answer(row["answer"]), "solution": row["answer"]}
             )

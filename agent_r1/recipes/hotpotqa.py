@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from agent_r1.data.jsonl import load_tasks
+from agent_r1.data.splits import Split, split_of
 from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.env.tool_calls import extract_answer, format_tool_call, format_tool_responses
 from agent_r1.env.tool_env import ToolEnv, truncate_to_tokens
@@ -30,11 +31,17 @@ INSTRUCTIONS = (
 )
 
 
-def load(path: str | Path | None = None, held_out: bool = False, n: int | None = None) -> list[dict[str, Any]]:
-    """Tasks of one split: question, answer, type, and the titles of the supporting paragraphs."""
-    path = Path(path) if path else DATA_DIR / ("dev.jsonl" if held_out else "train.jsonl")
+def load(path: str | Path | None = None, split: Split = "train", n: int | None = None) -> list[dict[str, Any]]:
+    """Tasks of one split: question, answer, type, and the titles of the supporting paragraphs.
+
+    test is HotpotQA's dev file; val and train are the fixed hash buckets of its train file (a file
+    given as `path` is used whole)."""
+    bucketed = path is None and split != "test"  # val and train share the bundled train file
+    path = Path(path) if path else DATA_DIR / ("dev.jsonl" if split == "test" else "train.jsonl")
     tasks = []
     for row in load_tasks(path):
+        if bucketed and (split_of(row["question"]) == "val") != (split == "val"):
+            continue
         if "answer" not in row:
             raise ValueError(f"{path}: a HotpotQA row needs 'question' and 'answer'")
         support = list(dict.fromkeys((row.get("supporting_facts") or {}).get("title", [])))

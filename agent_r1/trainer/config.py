@@ -111,6 +111,20 @@ class OptimConfig:
 
 
 @dataclass
+class ValConfig:
+    every: int = 0
+    """validate greedily every N RL steps, before the first and after the last (0 = never)"""
+    num_tasks: int = 32
+    """tasks of the recipe's validation split (disjoint from training and from the held-out test split)"""
+    ops: tuple[int, ...] = (1, 2)
+    """calculator recipe: operations per validation problem"""
+    data: str | None = None
+    """jsonl of validation tasks instead of the recipe's val split"""
+    keep_best: bool = True
+    """export the policy of the best validation accuracy (ties: the earlier step) as RUN_DIR/policy"""
+
+
+@dataclass
 class TrainConfig:
     model: str = "default"
     """"default", a bundled model name, a Hugging Face directory, or a checkpoint export"""
@@ -154,6 +168,8 @@ class TrainConfig:
     """loggers (JSONL always; TensorBoard, W&B) and trajectory records"""
     health: HealthConfig = field(default_factory=HealthConfig)
     """training-health diagnostics and their thresholds"""
+    val: ValConfig = field(default_factory=ValConfig)
+    """validation during training and best-checkpoint selection"""
 
     def __post_init__(self) -> None:
         a, r, o = self.algo, self.rollout, self.optim
@@ -174,6 +190,7 @@ class TrainConfig:
             (o.grad_clip > 0, f"optim.grad_clip must be > 0, got {o.grad_clip}"),
             (self.save_every >= 1 and self.keep_last >= 1, "save_every and keep_last must be >= 1"),
             (self.max_tool_tokens >= 1, f"max_tool_tokens must be >= 1, got {self.max_tool_tokens}"),
+            (self.val.every >= 0 and self.val.num_tasks >= 1, "val.every must be >= 0 and val.num_tasks >= 1"),
         ]
         for ok, message in checks:
             if not ok:

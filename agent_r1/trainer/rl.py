@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import math
 import random
 import time
@@ -35,6 +36,7 @@ from agent_r1.algos.losses import aggregate, gspo_policy_loss, kl_penalty, ppo_p
 from agent_r1.config import to_dict
 from agent_r1.env.base import Env
 from agent_r1.env.prompt_format import prompt_format_for
+from agent_r1.evaluate import evaluate
 from agent_r1.models.loading import is_chat_model, load_model
 from agent_r1.models.lora import with_lora
 from agent_r1.models.onednn import use_onednn
@@ -42,8 +44,9 @@ from agent_r1.observe.health import HealthMonitor
 from agent_r1.observe.loggers import Loggers
 from agent_r1.observe.plot import plot_metrics, read_metrics
 from agent_r1.observe.records import step_path, trajectory_records, write_records
-from agent_r1.recipes import tasks_and_env
+from agent_r1.recipes import recipe_tasks, tasks_and_env
 from agent_r1.rollout.agent_loop import AgentEnvLoop, summarize
+from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.merge import merge_trajectory
 from agent_r1.trainer.batching import MicroBatch, Row, pack, token_logprobs
@@ -92,7 +95,7 @@ def train(
     chat = is_chat_model(cfg.model, tokenizer) if cfg.prompt_format == "auto" else cfg.prompt_format == "chat"
     fmt = prompt_format_for(tokenizer, chat=chat)
     recipe_tasks, recipe_env = tasks_and_env(
-        cfg.recipe, fmt, held_out=False, n=4096, seed=cfg.seed, ops=cfg.ops, data=cfg.data,
+        cfg.recipe, fmt, split="train", n=4096, seed=cfg.seed, ops=cfg.ops, data=cfg.data,
         max_turns=cfg.rollout.max_turns, few_shot=cfg.few_shot, format_weight=cfg.format_weight,
         retriever=cfg.retriever, max_tool_tokens=cfg.max_tool_tokens,
     )  # fmt: skip
@@ -101,15 +104,22 @@ def train(
     sampler = TaskSampler(tasks, cfg.seed)
     engine = LocalEngine(policy, tokenizer, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.seed)
 
+    validator = Validator(cfg, engine, make_env, policy, tokenizer, console) if cfg.val.every else None
+
     start = 0
     if cfg.resume and (ckpt := latest_checkpoint(run_dir)) is not None:
         meta = load_checkpoint(ckpt, modules, optimizer, scheduler)
         start, sampler.cursor = meta["step"], meta["cursor"]
+        if validator and meta.get("best"):
+            validator.best = meta["best"]
         console.print(f"resumed from {ckpt} (step {start})")
 
     loggers = Loggers(cfg.log, run_dir, to_dict(cfg))
     health = HealthMonitor(cfg.health, console)
     history = []
+    if validator and start == 0:  # the starting policy is a candidate too: RL must beat it to be kept
+        history.append({"step": 0} | validator(0))
+        loggers.log(history[-1], 0)
     with progress_bar(console) as bar:
         task_bar = bar.add_task("RL steps", total=cfg.steps, completed=start)
         for step in range(start, cfg.steps):
@@ -127,10 +137,14 @@ def train(
             # 3. rows, reference log-probs, values -------------------------------------------------
             rows, where = build_rows(trajs, step_rewards)
             kl_reward = 0.0
-            if ref is not None:
+            if ref is not None and cfg.algo.kl_mode == "reward":  # the KL is part of every return
                 _fill_ref_logprobs(ref, rows, cfg)
-                if cfg.algo.kl_mode == "reward":
-                    kl_reward = _subtract_kl_from_rewards(rows, where, step_rewards, cfg)
+                kl_reward = _subtract_kl_from_rewards(rows, where, step_rewards, cfg)
+            zero_var = _zero_variance_groups(trajs, step_rewards)
+            skip = cfg.algo.zero_variance_groups == "skip" and cfg.algo.estimator in GROUP_ESTIMATORS
+            trained = [not (skip and trajs[t].group_id in zero_var) for t in where.row_owner]
+            if ref is not None and cfg.algo.kl_mode == "loss":  # only rows the update will see need one
+                _fill_ref_logprobs(ref, [r for r, keep in zip(rows, trained, strict=True) if keep], cfg)
             if critic is not None:
                 _fill_old_values(critic, policy, rows, cfg)
             t2 = time.perf_counter()
@@ -139,9 +153,7 @@ def train(
             _fill_advantages(rows, where, trajs, step_rewards, cfg)
             if cfg.log.trajectories_every and (step + 1) % cfg.log.trajectories_every == 0:
                 _write_trajectories(run_dir, step + 1, trajs, rows, where, tokenizer)
-            zero_var = _zero_variance_groups(trajs, step_rewards)
-            if cfg.algo.zero_variance_groups == "skip" and cfg.algo.estimator in GROUP_ESTIMATORS:
-                rows = [r for r, t in zip(rows, where.row_owner, strict=True) if trajs[t].group_id not in zero_var]
+            rows = [r for r, keep in zip(rows, trained, strict=True) if keep]
 
             # 5. update -----------------------------------------------------------------------------
             update = _update(policy, critic, ref, rows, optimizer, scheduler, params, cfg, step)
@@ -160,18 +172,22 @@ def train(
                 "tokens_per_s/update": update["train_tokens"] / max(t3 - t2, 1e-9),
             }
             metrics |= health.update(metrics)
+            if validator and ((step + 1) % cfg.val.every == 0 or step + 1 == cfg.steps):
+                metrics |= validator(step + 1)
             loggers.log(metrics, step + 1)
             history.append(metrics)
             bar.update(task_bar, advance=1, description=_describe(metrics))
 
             # 7. checkpoint -------------------------------------------------------------------------
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-                extra = {"cursor": sampler.cursor, "config": to_dict(cfg)}
+                best = validator.best if validator else None  # a resumed run keeps its best step
+                extra = {"cursor": sampler.cursor, "config": to_dict(cfg), "best": best}
                 save_checkpoint(run_dir, step + 1, modules, optimizer, scheduler, extra, keep=cfg.keep_last)
 
     loggers.close()
     plot_metrics(read_metrics(run_dir), run_dir / "plots" / "curves.png", title=str(run_dir))
-    export_policy(policy, tokenizer, run_dir / "policy")
+    if not (validator and cfg.val.keep_best):  # with keep_best, policy/ already holds the best step
+        export_policy(policy, tokenizer, run_dir / "policy")
     return history
 
 
@@ -468,6 +484,43 @@ def _fill_old_values(critic: Critic, policy: torch.nn.Module, rows: list[Row], c
         hidden = token_logprobs(policy, mb, cfg.rollout.temperature, hidden=True)[2] if critic.shared else None
         for row, part in zip(mb.rows, critic(mb, hidden).split(mb.row_lens), strict=True):
             row.old_values = part
+
+
+# --- validation and best-checkpoint selection --------------------------------------------------------
+
+
+class Validator:
+    """Greedy accuracy on the validation split, and export of the best policy so far.
+
+    Model selection on a split that is neither trained on nor reported (as in HF Trainer's
+    `load_best_model_at_end`): RL curves are noisy and a policy can overshoot, e.g. learn a rule that
+    helps the training mix and hurts another problem type, so the run keeps the step that validated
+    best instead of whatever the last step happens to be. The held-out test split stays untouched.
+    """
+
+    def __init__(self, cfg: TrainConfig, engine, make_env: Callable[[], Env], policy, tokenizer, console) -> None:
+        v = cfg.val
+        self.tasks = recipe_tasks(cfg.recipe, split="val", n=v.num_tasks, seed=cfg.seed, ops=v.ops, data=v.data)
+        self.make_env = make_env  # the training env: same tools, prompt and reward
+        self.sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0)
+        self.engine, self.policy, self.tokenizer, self.console = engine, policy, tokenizer, console
+        self.out = Path(cfg.run_dir) / "policy" if v.keep_best else None
+        self.best: dict[str, float] = {"step": -1, "accuracy": -math.inf}
+
+    def __call__(self, step: int) -> dict[str, float]:
+        """Validate the current policy (after `step` RL steps); export it if it is the best so far."""
+        self.policy.eval()
+        metrics, _ = evaluate(self.engine, self.make_env, self.tasks, self.sampling)
+        if metrics["accuracy"] > self.best["accuracy"]:
+            self.best = {"step": step, "accuracy": metrics["accuracy"]}
+            if self.out is not None:
+                export_policy(self.policy, self.tokenizer, self.out)
+                (self.out / "best.json").write_text(json.dumps(self.best))
+        self.console.print(
+            f"validation after step {step}: accuracy {metrics['accuracy']:.1%} "
+            f"(best {self.best['accuracy']:.1%} at step {self.best['step']})"
+        )
+        return {f"val/{k}": v for k, v in metrics.items()} | {"val/best_step": self.best["step"]}
 
 
 # --- data, schedule, logging -----------------------------------------------------------------------

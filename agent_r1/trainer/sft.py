@@ -114,7 +114,7 @@ def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any 
 
     # the prompt prefix RL and eval will use: system (tools + instructions) and optional example
     _, make_env = tasks_and_env(
-        cfg.source, fmt, held_out=False, n=1, few_shot=cfg.few_shot, retriever=cfg.retriever,
+        cfg.source, fmt, split="train", n=1, few_shot=cfg.few_shot, retriever=cfg.retriever,
         max_tool_tokens=cfg.max_tool_tokens,
     )  # fmt: skip
     env = make_env()

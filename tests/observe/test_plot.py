@@ -21,7 +21,7 @@ def test_plot_writes_a_png_of_every_panel(tmp_path, capsys):
     assert main(["plot", str(tmp_path / "run")]) == 0
     png = tmp_path / "run" / "plots" / "curves.png"
     height, width, _ = matplotlib.image.imread(png).shape
-    assert (width, height) == (1400, 560)
+    assert (width, height) == (1200, 800)
     assert str(png) in capsys.readouterr().out
     assert main(["plot", str(tmp_path / "run"), f"out={tmp_path / 'other.png'}"]) == 0
     assert (tmp_path / "other.png").stat().st_size > 10_000

@@ -1,3 +1,4 @@
+from agent_r1.data import split_of
 from agent_r1.recipes import calculator as recipe
 from agent_r1.tools.calculator import evaluate
 
@@ -11,10 +12,12 @@ def test_problems_are_deterministic_and_correct():
     assert [t["ops"] for t in a[:3]] == [1, 2, 3]
 
 
-def test_held_out_split_is_disjoint_from_training():
+def test_the_three_splits_are_disjoint_whatever_the_seed():
     train = {t["question"] for s in range(5) for t in recipe.make_tasks(200, seed=s)}
-    held_out = {t["question"] for t in recipe.make_tasks(200, held_out=True)}
-    assert not train & held_out
+    val = {t["question"] for s in range(3) for t in recipe.make_tasks(100, seed=s, split="val")}
+    test = {t["question"] for t in recipe.make_tasks(200, split="test")}
+    assert len(val) > 250 and len(test) == 200
+    assert not train & test and not train & val and not val & test
 
 
 def test_reward_is_exact_numeric_match_plus_optional_format():
@@ -26,5 +29,5 @@ def test_reward_is_exact_numeric_match_plus_optional_format():
 
 
 def test_split_membership_follows_the_bucket():
-    assert all(recipe.is_held_out(t["question"]) for t in recipe.make_tasks(20, held_out=True))
-    assert not any(recipe.is_held_out(t["question"]) for t in recipe.make_tasks(20))
+    for split in ("train", "val", "test"):
+        assert {split_of(t["question"]) for t in recipe.make_tasks(20, ops=(1, 2, 3), split=split)} == {split}

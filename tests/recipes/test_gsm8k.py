@@ -4,9 +4,10 @@ from agent_r1.recipes import gsm8k
 
 def test_splits_are_disjoint_and_answers_parsed():
     train = gsm8k.load(n=200)
-    held_out = gsm8k.load(held_out=True)
-    assert len(train) == 200 and 600 < len(held_out) < 900  # ~10% of 7,473
-    assert not {t["question"] for t in gsm8k.load()} & {t["question"] for t in held_out}
+    held_out, val = gsm8k.load(split="test"), gsm8k.load(split="val")
+    assert len(train) == 200 and 600 < len(held_out) < 900 and 600 < len(val) < 900  # ~10% of 7,473 each
+    everything = gsm8k.load() + held_out + val
+    assert len({t["question"] for t in everything}) == len(everything) > 7400  # disjoint, nothing lost
     first = train[0]
     assert first["answer"] == 72.0 and first["solution"].endswith("#### 72")
 

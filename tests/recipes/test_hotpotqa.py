@@ -13,10 +13,11 @@ from agent_r1.rollout.local_engine import LocalEngine
 pytestmark = pytest.mark.skipif(not hotpotqa.DATA_DIR.is_dir(), reason="needs ../shared/data/hotpotqa")
 
 
-def test_splits_are_the_two_files_and_disjoint():
-    train, dev = hotpotqa.load(held_out=False), hotpotqa.load(held_out=True)
-    assert len(train) == len(dev) == 300
-    assert not {t["id"] for t in train} & {t["id"] for t in dev}
+def test_test_is_the_dev_file_and_val_a_bucket_of_the_train_file():
+    train, val, dev = hotpotqa.load(), hotpotqa.load(split="val"), hotpotqa.load(split="test")
+    assert len(train) + len(val) == len(dev) == 300 and 10 < len(val) < 60
+    ids = [t["id"] for t in train + val + dev]
+    assert len(set(ids)) == len(ids)
     assert all(t["question"] and t["answer"] and len(t["supporting_titles"]) == 2 for t in dev)
 
 
@@ -24,7 +25,7 @@ def test_corpus_pools_every_paragraph_once_per_title():
     passages = hotpotqa.corpus()
     titles = [p.title for p in passages]
     assert len(titles) == len(set(titles)) == 5912
-    support = {title for t in hotpotqa.load(held_out=True) for title in t["supporting_titles"]}
+    support = {title for t in hotpotqa.load(split="test") for title in t["supporting_titles"]}
     assert support <= set(titles)  # every supporting paragraph can be found
 
 
@@ -48,7 +49,7 @@ def test_demonstration_searches_the_question_then_the_missing_paragraph(tokenize
 
 
 def test_tiny_model_rolls_out_in_the_search_env(tokenizer, tiny_model):
-    tasks, make_env = tasks_and_env("hotpotqa", ChatFormat(tokenizer), held_out=True, n=2, max_turns=2)
+    tasks, make_env = tasks_and_env("hotpotqa", ChatFormat(tokenizer), split="test", n=2, max_turns=2)
     engine = LocalEngine(tiny_model, tokenizer, max_batch_size=8, seed=0)
     loop = AgentEnvLoop(engine, make_env, SamplingParams(max_new_tokens=8, temperature=1.0), seed=0)
     trajs = loop.run_sync(tasks, group_size=2)

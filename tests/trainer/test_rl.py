@@ -139,3 +139,85 @@ def test_run_directory_keeps_trajectories_curves_and_health(tmp_path, tokenizer)
         assert h["logprob_drift_max"] < 1e-4
         assert {"health/logprob_drift", "health/nonfinite", "health/echo_trap"} <= set(h)
         assert h["health/logprob_drift"] == 0.0 and h["health/nonfinite"] == 0.0
+
+
+def scripted_validation(monkeypatch, accuracies: list[float]) -> list[int]:
+    """Run the real validation rollout, then report the next scripted accuracy; returns the call log."""
+    import agent_r1.trainer.rl as rl
+    from agent_r1.evaluate import evaluate as real
+
+    calls: list[int] = []
+
+    def evaluate(engine, make_env, tasks, sampling, *args):
+        metrics, trajs = real(engine, make_env, tasks, sampling, *args)
+        assert sampling.temperature == 0.0 and len(trajs) == len(tasks) == 3
+        calls.append(len(calls))
+        return metrics | {"accuracy": accuracies[len(calls) - 1]}, trajs
+
+    monkeypatch.setattr(rl, "evaluate", evaluate)
+    return calls
+
+
+def val_config(tmp_path, *overrides: str):
+    data = tmp_path / "val.jsonl"
+    tasks = [{"question": "", "answer": 0, "ids": [20 + i, 50, 51]} for i in range(3)]
+    data.write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    return toy_config(tmp_path, "val.every=1", "val.num_tasks=3", f"val.data={data}", *overrides)
+
+
+def test_validation_keeps_the_best_step_as_the_policy(tmp_path, tokenizer, monkeypatch):
+    """Step 1 validates best (later ties do not replace it): policy/ holds exactly step 1's weights."""
+    from transformers import AutoModelForCausalLM
+
+    calls = scripted_validation(monkeypatch, [0.25, 0.75, 0.5, 0.75])
+    model, _ = run(val_config(tmp_path, "steps=3", "save_every=1", "keep_last=3"), tokenizer)
+    assert len(calls) == 4  # before training and after each of the 3 steps
+    root = tmp_path / "run"
+    lines = [json.loads(x) for x in (root / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["val/accuracy"], m["val/best_step"]) for m in lines] == [
+        (0, 0.25, 0),
+        (1, 0.75, 1),
+        (2, 0.5, 1),
+        (3, 0.75, 1),
+    ]
+    assert json.loads((root / "policy/best.json").read_text()) == {"step": 1, "accuracy": 0.75}
+    exported = AutoModelForCausalLM.from_pretrained(root / "policy").state_dict()
+    step1 = load_file(str(root / "checkpoints/step_000001/policy.safetensors"))
+    for name, p in model.named_parameters():
+        assert torch.equal(exported[name], step1[name]), name
+        assert not torch.equal(exported[name], p.detach()) or name.endswith("norm.weight")
+
+
+def test_resume_keeps_the_best_validation_so_far(tmp_path, tokenizer, monkeypatch):
+    scripted_validation(monkeypatch, [0.5, 0.25, 0.25])
+    run(val_config(tmp_path, "steps=2", "save_every=2"), tokenizer)
+    calls = scripted_validation(monkeypatch, [0.25, 0.25])  # resumed: no new step-0 validation
+    _, hist = run(val_config(tmp_path, "steps=4", "save_every=2"), tokenizer)
+    assert len(calls) == 2 and [h["val/best_step"] for h in hist] == [0, 0]
+    assert json.loads((tmp_path / "run/policy/best.json").read_text())["step"] == 0
+
+
+class HalfConstantEnv(LowIdEnv):
+    """Even tasks always score 0.5 (their groups have no variance); odd tasks are the toy task."""
+
+    async def reset(self, task):
+        self.constant = task["ids"][0] % 2 == 0
+        return await super().reset(task)
+
+    async def step(self, action):
+        result = await super().step(action)
+        return result._replace(reward=0.5) if result.done and self.constant else result
+
+
+def test_reference_scores_only_the_rows_the_update_trains_on(tmp_path, tokenizer):
+    from agent_r1.observe.records import read_records, step_files
+
+    cfg = toy_config(tmp_path, "steps=1", "algo.kl_coef=0.1")
+    _, hist = run(cfg, tokenizer, env=HalfConstantEnv)
+    records = list(read_records(step_files(tmp_path / "run")[1]))
+    constant = [r["task"]["ids"][0] % 2 == 0 for r in records]
+    assert any(constant) and not all(constant)
+    for r, const in zip(records, constant, strict=True):
+        assert all((row["ref_logprobs"] is None) == const for row in r["rows"])
+    groups = {r["group_id"]: const for r, const in zip(records, constant, strict=True)}
+    assert hist[0]["zero_variance_groups"] >= sum(groups.values()) / len(groups) and hist[0]["kl"] >= 0.0
