@@ -24,6 +24,8 @@ from agent_r1.rollout.engine import Engine, SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.types import Trajectory
 
+KIND_KEYS = ("ops", "type")  # task fields that name a kind of problem, for a per-kind accuracy
+
 
 @dataclass
 class EvalConfig:
@@ -109,7 +111,20 @@ def evaluate(
     metrics = summarize(trajs)
     metrics["seconds"] = time.perf_counter() - start
     metrics["accuracy"] = metrics.get("reward/correct", sum(t.reward >= 1.0 for t in trajs) / len(trajs))
-    return metrics, trajs
+    return metrics | accuracy_by_kind(trajs), trajs
+
+
+def accuracy_by_kind(trajs: list[Trajectory]) -> dict[str, float]:
+    """`accuracy/<key>=<value>` per kind of task, when every task names one: the calculator's `ops`
+    (1-3 operations) or HotpotQA's `type` (bridge, comparison). One mean hides which kind moved."""
+    key = next((k for k in KIND_KEYS if trajs and all(k in t.task for t in trajs)), None)
+    if key is None:
+        return {}
+    hits: dict[str, list[float]] = {}
+    for t in trajs:
+        correct = t.metrics.get("reward/correct", float(t.reward >= 1.0))
+        hits.setdefault(f"accuracy/{key}={t.task[key]}", []).append(correct)
+    return {k: sum(v) / len(v) for k, v in sorted(hits.items())}
 
 
 def report_table(title: str, m: dict[str, float]) -> Table:
@@ -121,6 +136,7 @@ def report_table(title: str, m: dict[str, float]) -> Table:
         "format errors / episode": f"{m['format_errors']:.2f}",
         "tool errors / episode": f"{m['tool_errors']:.2f}",
         "turns": f"{m['turns']:.2f}",
+        **{k.removeprefix("accuracy/"): f"{m[k]:.1%}" for k in sorted(m) if k.startswith("accuracy/")},
         **{k.removeprefix("reward/"): f"{m[k]:.3f}" for k in parts},
         "seconds": f"{m['seconds']:.1f}",
     }

@@ -94,10 +94,12 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, dict[
 
 def results_table(results: dict[str, dict[str, float]]) -> Table:
     table = Table(title="held-out accuracy: before / after SFT / after RL")
-    for col in ("model", "accuracy", "tool calls / episode", "format errors / episode", "turns"):
+    kinds = sorted({k for m in results.values() for k in m if k.startswith("accuracy/")})  # e.g. accuracy/ops=2
+    per_kind_columns = (k.removeprefix("accuracy/") for k in kinds)
+    for col in ("model", "accuracy", *per_kind_columns, "tool calls", "format errors", "turns"):
         table.add_column(col, justify="right")
     for name, m in results.items():
-        table.add_row(
-            name, f"{m['accuracy']:.1%}", f"{m['tool_calls']:.2f}", f"{m['format_errors']:.2f}", f"{m['turns']:.2f}"
-        )
+        per_kind = [f"{m[k]:.1%}" if k in m else "" for k in kinds]
+        usage = (f"{m['tool_calls']:.2f}", f"{m['format_errors']:.2f}", f"{m['turns']:.2f}")
+        table.add_row(name, f"{m['accuracy']:.1%}", *per_kind, *usage)
     return table

@@ -22,7 +22,9 @@ def test_demo_pipeline_smoke(tmp_path, tokenizer):
     assert main(args) == 0
     results = json.loads((run / "results.json").read_text())["results"]
     assert set(results) == {"untrained", "sft", "rl"}
-    assert all(0.0 <= r["accuracy"] <= 1.0 for r in results.values())
+    for r in results.values():  # eval cycles ops (1, 2): two tasks of each kind
+        assert 0.0 <= r["accuracy"] <= 1.0
+        assert (r["accuracy/ops=1"] + r["accuracy/ops=2"]) / 2 == r["accuracy"]
     for name in ("untrained", "sft", "rl"):
         lines = (run / f"eval_{name}.jsonl").read_text().splitlines()
         assert len(lines) == 4 and json.loads(lines[0])["turns"]
