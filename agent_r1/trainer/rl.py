@@ -505,12 +505,15 @@ class Validator:
         self.sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0)
         self.engine, self.policy, self.tokenizer, self.console = engine, policy, tokenizer, console
         self.out = Path(cfg.run_dir) / "policy" if v.keep_best else None
+        self.records = Path(cfg.run_dir) / "val" if cfg.log.trajectories_every else None  # agent-r1 view RUN_DIR/val
         self.best: dict[str, float] = {"step": -1, "accuracy": -math.inf}
 
     def __call__(self, step: int) -> dict[str, float]:
         """Validate the current policy (after `step` RL steps); export it if it is the best so far."""
         self.policy.eval()
-        metrics, _ = evaluate(self.engine, self.make_env, self.tasks, self.sampling)
+        metrics, trajs = evaluate(self.engine, self.make_env, self.tasks, self.sampling)
+        if self.records is not None:
+            write_records(step_path(self.records, step), trajectory_records(trajs, self.tokenizer, step=step))
         if metrics["accuracy"] > self.best["accuracy"]:
             self.best = {"step": step, "accuracy": metrics["accuracy"]}
             if self.out is not None:

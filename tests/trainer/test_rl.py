@@ -169,6 +169,8 @@ def test_validation_keeps_the_best_step_as_the_policy(tmp_path, tokenizer, monke
     """Step 1 validates best (later ties do not replace it): policy/ holds exactly step 1's weights."""
     from transformers import AutoModelForCausalLM
 
+    from agent_r1.observe.records import read_records, step_files
+
     calls = scripted_validation(monkeypatch, [0.25, 0.75, 0.5, 0.75])
     model, _ = run(val_config(tmp_path, "steps=3", "save_every=1", "keep_last=3"), tokenizer)
     assert len(calls) == 4  # before training and after each of the 3 steps
@@ -181,6 +183,8 @@ def test_validation_keeps_the_best_step_as_the_policy(tmp_path, tokenizer, monke
         (3, 0.75, 1),
     ]
     assert json.loads((root / "policy/best.json").read_text()) == {"step": 1, "accuracy": 0.75}
+    assert list(step_files(root / "val")) == [0, 1, 2, 3]  # the validation episodes, for the viewer
+    assert [r["task"]["ids"][0] for r in read_records(step_files(root / "val")[2])] == [20, 21, 22]
     exported = AutoModelForCausalLM.from_pretrained(root / "policy").state_dict()
     step1 = load_file(str(root / "checkpoints/step_000001/policy.safetensors"))
     for name, p in model.named_parameters():
