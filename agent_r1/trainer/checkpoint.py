@@ -123,8 +123,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def export_policy(model: torch.nn.Module, tokenizer: Any, out_dir: str | Path) -> Path:
-    """Save the policy as a plain Hugging Face directory (LoRA merged) that from_pretrained loads."""
+def export_policy(
+    model: torch.nn.Module, tokenizer: Any, out_dir: str | Path, extra: dict[str, str] | None = None
+) -> Path:
+    """Save the policy as a plain Hugging Face directory (LoRA merged) that from_pretrained loads.
+
+    `extra` files (name -> text, e.g. best.json) are written inside the same atomic rename, so the
+    directory never holds weights without the note that describes them."""
     import copy
 
     out = Path(out_dir)
@@ -135,6 +140,8 @@ def export_policy(model: torch.nn.Module, tokenizer: Any, out_dir: str | Path) -
     try:
         policy.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

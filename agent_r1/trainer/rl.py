@@ -517,8 +517,7 @@ class Validator:
         if metrics["accuracy"] > self.best["accuracy"]:
             self.best = {"step": step, "accuracy": metrics["accuracy"]}
             if self.out is not None:
-                export_policy(self.policy, self.tokenizer, self.out)
-                (self.out / "best.json").write_text(json.dumps(self.best))
+                export_policy(self.policy, self.tokenizer, self.out, extra={"best.json": json.dumps(self.best)})
         self.console.print(
             f"validation after step {step}: accuracy {metrics['accuracy']:.1%} "
             f"(best {self.best['accuracy']:.1%} at step {self.best['step']})"

@@ -51,3 +51,26 @@ def test_round_trip_restores_weights_optimizer_and_rng(tmp_path):
     assert all(torch.equal(saved[k], v) for k, v in other.state_dict().items())
     assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
     assert torch.equal(torch.rand(3), expected_draw)
+
+
+def test_a_crash_during_export_keeps_the_previous_policy_and_its_note(tmp_path, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import make_tiny_llama
+
+    model = make_tiny_llama(len(tokenizer), hidden=32)
+    ck.export_policy(model, tokenizer, tmp_path / "policy", extra={"best.json": '{"step": 2}'})
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+
+    class Dying:
+        def save_pretrained(self, path):
+            raise KeyboardInterrupt  # killed after the weights, before the tokenizer and the note
+
+    with pytest.raises(KeyboardInterrupt):
+        ck.export_policy(model, Dying(), tmp_path / "policy", extra={"best.json": '{"step": 5}'})
+    assert (tmp_path / "policy" / "best.json").read_text() == '{"step": 2}'
+    kept = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").state_dict()
+    assert all(torch.equal(kept[n], p) for n, p in before.items())
+    assert [p.name for p in tmp_path.iterdir()] == ["policy"]  # no half-written export left behind
