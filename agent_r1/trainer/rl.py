@@ -99,6 +99,8 @@ def train(
         max_turns=cfg.rollout.max_turns, few_shot=cfg.few_shot, format_weight=cfg.format_weight,
         retriever=cfg.retriever, max_tool_tokens=cfg.max_tool_tokens,
     )  # fmt: skip
+    if tasks is not None and cfg.val.every and not cfg.val.data:
+        raise ValueError("val.every is set and the training tasks were passed in: give val.data (validation jsonl)")
     tasks = tasks if tasks is not None else recipe_tasks
     make_env = make_env or recipe_env
     sampler = TaskSampler(tasks, cfg.seed)

@@ -192,6 +192,11 @@ def test_validation_keeps_the_best_step_as_the_policy(tmp_path, tokenizer, monke
         assert not torch.equal(exported[name], p.detach()) or name.endswith("norm.weight")
 
 
+def test_validation_of_tasks_passed_in_needs_their_validation_file(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match=r"give val\.data"):
+        run(toy_config(tmp_path, "val.every=1"), tokenizer)
+
+
 def test_resume_keeps_the_best_validation_so_far(tmp_path, tokenizer, monkeypatch):
     scripted_validation(monkeypatch, [0.5, 0.25, 0.25])
     run(val_config(tmp_path, "steps=2", "save_every=2"), tokenizer)
