@@ -77,8 +77,9 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, dict[
     best_file = root / "rl" / "policy" / "best.json"  # written when RL validates and keeps its best step
     selected = json.loads(best_file.read_text()) if best_file.is_file() else None
     if selected:
-        step, acc = selected["step"], selected["accuracy"]
-        console.print(f"RL kept step {step} of {cfg.rl.steps}: the best validation accuracy, {acc:.1%}")
+        metric = cfg.rl.val.metric
+        value = selected[metric]
+        console.print(f"RL kept step {selected['step']} of {cfg.rl.steps}: the best validation {metric}, {value:.3g}")
 
     console.rule("4/4 trained model")
     evaluate("rl", str(root / "rl" / "policy"))

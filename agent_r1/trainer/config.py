@@ -120,8 +120,10 @@ class ValConfig:
     """calculator recipe: operations per validation problem"""
     data: str | None = None
     """jsonl of validation tasks instead of the recipe's val split"""
+    metric: str = "accuracy"
+    """eval metric that picks the best step, higher is better (accuracy, accuracy/ops=2, reward, reward/f1, ...)"""
     keep_best: bool = True
-    """export the policy of the best validation accuracy (ties: the earlier step) as RUN_DIR/policy"""
+    """export the policy of the best validation step (ties: the earlier step) as RUN_DIR/policy"""
 
 
 @dataclass

@@ -112,7 +112,7 @@ def train(
     if cfg.resume and (ckpt := latest_checkpoint(run_dir)) is not None:
         meta = load_checkpoint(ckpt, modules, optimizer, scheduler)
         start, sampler.cursor = meta["step"], meta["cursor"]
-        if validator and meta.get("best"):
+        if validator and validator.metric in (meta.get("best") or {}):  # the same metric as the saved best
             validator.best = meta["best"]
         console.print(f"resumed from {ckpt} (step {start})")
 
@@ -508,7 +508,8 @@ class Validator:
         self.engine, self.policy, self.tokenizer, self.console = engine, policy, tokenizer, console
         self.out = Path(cfg.run_dir) / "policy" if v.keep_best else None
         self.records = Path(cfg.run_dir) / "val" if cfg.log.trajectories_every else None  # agent-r1 view RUN_DIR/val
-        self.best: dict[str, float] = {"step": -1, "accuracy": -math.inf}
+        self.metric = v.metric
+        self.best: dict[str, float] = {"step": -1, v.metric: -math.inf}
 
     def __call__(self, step: int) -> dict[str, float]:
         """Validate the current policy (after `step` RL steps); export it if it is the best so far."""
@@ -516,13 +517,16 @@ class Validator:
         metrics, trajs = evaluate(self.engine, self.make_env, self.tasks, self.sampling)
         if self.records is not None:
             write_records(step_path(self.records, step), trajectory_records(trajs, self.tokenizer, step=step))
-        if metrics["accuracy"] > self.best["accuracy"]:
-            self.best = {"step": step, "accuracy": metrics["accuracy"]}
+        m = self.metric
+        if m not in metrics:
+            raise ValueError(f"val.metric={m!r} is not an eval metric; choose from {', '.join(sorted(metrics))}")
+        value = metrics[m]
+        if value > self.best[m]:
+            self.best = {"step": step, m: value}
             if self.out is not None:
                 export_policy(self.policy, self.tokenizer, self.out, extra={"best.json": json.dumps(self.best)})
         self.console.print(
-            f"validation after step {step}: accuracy {metrics['accuracy']:.1%} "
-            f"(best {self.best['accuracy']:.1%} at step {self.best['step']})"
+            f"validation after step {step}: {m} {value:.3g} (best {self.best[m]:.3g} at step {self.best['step']})"
         )
         return {f"val/{k}": v for k, v in metrics.items()} | {"val/best_step": self.best["step"]}
 

@@ -141,8 +141,8 @@ def test_run_directory_keeps_trajectories_curves_and_health(tmp_path, tokenizer)
         assert h["health/logprob_drift"] == 0.0 and h["health/nonfinite"] == 0.0
 
 
-def scripted_validation(monkeypatch, accuracies: list[float]) -> list[int]:
-    """Run the real validation rollout, then report the next scripted accuracy; returns the call log."""
+def scripted_validation(monkeypatch, accuracies: list[float], key: str = "accuracy") -> list[int]:
+    """Run the real validation rollout, then report the next scripted value of `key`; returns the call log."""
     import agent_r1.trainer.rl as rl
     from agent_r1.evaluate import evaluate as real
 
@@ -152,7 +152,7 @@ def scripted_validation(monkeypatch, accuracies: list[float]) -> list[int]:
         metrics, trajs = real(engine, make_env, tasks, sampling, *args)
         assert sampling.temperature == 0.0 and len(trajs) == len(tasks) == 3
         calls.append(len(calls))
-        return metrics | {"accuracy": accuracies[len(calls) - 1]}, trajs
+        return metrics | {key: accuracies[len(calls) - 1]}, trajs
 
     monkeypatch.setattr(rl, "evaluate", evaluate)
     return calls
@@ -190,6 +190,18 @@ def test_validation_keeps_the_best_step_as_the_policy(tmp_path, tokenizer, monke
     for name, p in model.named_parameters():
         assert torch.equal(exported[name], step1[name]), name
         assert not torch.equal(exported[name], p.detach()) or name.endswith("norm.weight")
+
+
+def test_validation_selects_on_any_eval_metric(tmp_path, tokenizer, monkeypatch):
+    scripted_validation(monkeypatch, [0.1, 0.2, 0.9], key="reward/f1")  # accuracy stays the toy's real one
+    _, hist = run(val_config(tmp_path, "steps=2", "val.metric=reward/f1"), tokenizer)
+    assert [(h["step"], h["val/best_step"]) for h in hist] == [(0, 0), (1, 1), (2, 2)]
+    assert json.loads((tmp_path / "run/policy/best.json").read_text()) == {"step": 2, "reward/f1": 0.9}
+
+
+def test_an_unknown_validation_metric_is_a_one_line_error(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match=r"val\.metric='acc' is not an eval metric; choose from .*accuracy"):
+        run(val_config(tmp_path, "val.metric=acc"), tokenizer)
 
 
 def test_validation_of_tasks_passed_in_needs_their_validation_file(tmp_path, tokenizer):
