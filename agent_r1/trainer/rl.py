@@ -69,6 +69,8 @@ def train(
 ) -> list[dict[str, float]]:
     """Run RL from `cfg`; `model`/`tokenizer`/`make_env`/`tasks` override the config's recipe."""
     console = console or Console()
+    if tasks is not None and cfg.val.every and not cfg.val.data:  # fail before any model loads
+        raise ValueError("val.every is set and the training tasks were passed in: give val.data (validation jsonl)")
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
@@ -94,14 +96,12 @@ def train(
     # --- tasks and environment ---------------------------------------------------------------------
     chat = is_chat_model(cfg.model, tokenizer) if cfg.prompt_format == "auto" else cfg.prompt_format == "chat"
     fmt = prompt_format_for(tokenizer, chat=chat)
-    recipe_tasks, recipe_env = tasks_and_env(
+    train_tasks, recipe_env = tasks_and_env(
         cfg.recipe, fmt, split="train", n=4096, seed=cfg.seed, ops=cfg.ops, data=cfg.data,
         max_turns=cfg.rollout.max_turns, few_shot=cfg.few_shot, format_weight=cfg.format_weight,
         retriever=cfg.retriever, max_tool_tokens=cfg.max_tool_tokens,
     )  # fmt: skip
-    if tasks is not None and cfg.val.every and not cfg.val.data:
-        raise ValueError("val.every is set and the training tasks were passed in: give val.data (validation jsonl)")
-    tasks = tasks if tasks is not None else recipe_tasks
+    tasks = tasks if tasks is not None else train_tasks
     make_env = make_env or recipe_env
     sampler = TaskSampler(tasks, cfg.seed)
     engine = LocalEngine(policy, tokenizer, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.seed)
@@ -492,7 +492,7 @@ def _fill_old_values(critic: Critic, policy: torch.nn.Module, rows: list[Row], c
 
 
 class Validator:
-    """Greedy accuracy on the validation split, and export of the best policy so far.
+    """Greedy evaluation on the validation split, and export of the best policy so far (by `val.metric`).
 
     Model selection on a split that is neither trained on nor reported (as in HF Trainer's
     `load_best_model_at_end`): RL curves are noisy and a policy can overshoot, e.g. learn a rule that
