@@ -14,21 +14,24 @@ import dataclasses
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
+from agent_r1.config import build
 from agent_r1.env.base import StepResult
 from agent_r1.env.prompt_format import PromptFormat, prompt_format_for
 from agent_r1.env.tool_calls import CALL_OPEN, extract_answer
 from agent_r1.env.tool_env import ToolEnv
-from agent_r1.models.loading import is_chat_model, load_model
+from agent_r1.models.loading import EXPORT_INFO, load_model
 from agent_r1.rollout.agent_loop import AgentEnvLoop
 from agent_r1.rollout.engine import Engine, GenerateOutput, SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.text_stream import TextStream, visible_prefix
+from agent_r1.task import TaskSpec, resolve_chat
 from agent_r1.tools import BUILTIN_TOOLS, Tool
 from agent_r1.types import Action, Message, Observation, Trajectory
 
@@ -39,14 +42,17 @@ COMMANDS = {"/reset": "forget the conversation", "/tools": "list the tools", "/e
 class ChatConfig:
     model: str = "default"
     """"default", a bundled model name, a Hugging Face directory or an `agent-r1 export` directory"""
-    tools: tuple[str, ...] = ("calculator",)
-    """tools the model may call, comma-separated: calculator, echo, search (HotpotQA's Wikipedia paragraphs)"""
+    task: str | None = None
+    """the task whose tools, instructions and worked example the model sees (calculator, hotpotqa, an import
+    path); None = the task recorded in the model's agent_r1.json (what it was trained on), if any"""
+    tools: tuple[str, ...] = ()
+    """more tools the model may call, comma-separated: calculator, echo (calculator when there is no task)"""
     prompt: str | None = None
     """answer this one message and exit, printing only the final answer (no terminal session)"""
     json: bool = False
     """with prompt: print the whole trajectory and history as JSON instead of the answer"""
     system: str = ""
-    """instructions put before the tool descriptions in the system prompt"""
+    """instructions put before the tool descriptions in the system prompt (replacing the task's)"""
     max_turns: int = 4
     """model turns per user message (each tool call costs one)"""
     max_new_tokens: int = 256
@@ -64,10 +70,10 @@ class ChatConfig:
 
     def __post_init__(self) -> None:
         self.tools = tuple(t.strip() for item in self.tools for t in item.split(",") if t.strip())
-        available = [*BUILTIN_TOOLS, "search"]
-        unknown = [t for t in self.tools if t not in available]
+        unknown = [t for t in self.tools if t not in BUILTIN_TOOLS]
         if unknown:
-            raise ValueError(f"unknown tool {unknown[0]!r}; available tools: {', '.join(available)}")
+            hint = " (the search tool comes with --task hotpotqa)" if "search" in unknown else ""
+            raise ValueError(f"unknown tool {unknown[0]!r}; available tools: {', '.join(BUILTIN_TOOLS)}{hint}")
         if self.json and self.prompt is None:
             raise ValueError("--json needs --prompt (it prints one trajectory)")
         if self.max_turns < 1:
@@ -93,6 +99,7 @@ class ChatSession:
         sampling: SamplingParams,
         *,
         instructions: str = "",
+        examples: list[Message] | None = None,
         max_turns: int = 4,
         seed: int | None = 0,
     ) -> None:
@@ -101,13 +108,16 @@ class ChatSession:
         self.tools = dict(tools)
         self.sampling = sampling
         self.instructions = instructions
+        self.examples = examples
         self.max_turns = max_turns
         self.seed = seed
         self.history: list[Message] = []  # user, assistant (tool calls included) and tool-result turns
 
     def make_env(self) -> ToolEnv:
         """The env of one user message; its system prompt is what a model trained with these tools saw."""
-        return ToolEnv(self.tools, self.format, instructions=self.instructions, max_turns=self.max_turns)
+        return ToolEnv(
+            self.tools, self.format, instructions=self.instructions, examples=self.examples, max_turns=self.max_turns
+        )
 
     def reset(self) -> None:
         self.history = []
@@ -168,25 +178,39 @@ class _WatchedEnv:
         return result
 
 
-def chat_tools(cfg: ChatConfig) -> dict[str, Tool]:
-    """The chosen tools; `search` loads (or builds once) its index."""
-    tools = {t: BUILTIN_TOOLS[t] for t in cfg.tools if t in BUILTIN_TOOLS}
-    if "search" in cfg.tools:
-        from agent_r1.recipes.hotpotqa import retriever_for
-        from agent_r1.retrieval import search_tool
+def session_prompt(cfg: ChatConfig, tokenizer: Any, chat: bool) -> tuple[dict[str, Tool], str, list[Message]]:
+    """(tools, instructions, worked example) of the chat: the task's, as the policy saw them in training
+    (the task named by --task, else the one recorded in the model's agent_r1.json), plus --tools."""
+    spec = _chat_task(cfg)
+    tools: dict[str, Tool] = {}
+    instructions, examples = cfg.system, []
+    if spec is not None:
+        env = spec.env_factory(tokenizer, chat, cfg.max_turns)()
+        if not isinstance(env, ToolEnv):
+            raise ValueError(f"task {spec.name!r} does not use a ToolEnv: chat needs tools and a system prompt")
+        tools, examples = dict(env.tools), env.examples
+        instructions = cfg.system or env.instructions
+    names = cfg.tools or (() if spec is not None else ("calculator",))
+    return tools | {t: BUILTIN_TOOLS[t] for t in names}, instructions, examples
 
-        tools["search"] = search_tool(retriever_for(cfg.retriever))
-    return {t: tools[t] for t in cfg.tools}
+
+def _chat_task(cfg: ChatConfig) -> TaskSpec | None:
+    if cfg.task is not None:
+        return TaskSpec(cfg.task)
+    recorded = Path(cfg.model).expanduser() / EXPORT_INFO
+    task = json.loads(recorded.read_text()).get("task") if recorded.is_file() else None
+    return TaskSpec.from_raw(task, "task", TaskSpec(task["name"]), build) if task else None
 
 
 def run_chat(cfg: ChatConfig, console: Console | None = None) -> None:
     console = console or Console(highlight=False)
     model, tokenizer = load_model(cfg.model)
-    chat = is_chat_model(cfg.model, tokenizer) if cfg.prompt_format == "auto" else cfg.prompt_format == "chat"
+    chat = resolve_chat(cfg.prompt_format, tokenizer, cfg.model)
+    tools, instructions, examples = session_prompt(cfg, tokenizer, chat)
     engine = LocalEngine(model, tokenizer, seed=cfg.seed)
     session = ChatSession(
-        engine, prompt_format_for(tokenizer, chat=chat), chat_tools(cfg), cfg.sampling,
-        instructions=cfg.system, max_turns=cfg.max_turns, seed=cfg.seed,
+        engine, prompt_format_for(tokenizer, chat=chat), tools, cfg.sampling,
+        instructions=instructions, examples=examples, max_turns=cfg.max_turns, seed=cfg.seed,
     )  # fmt: skip
     if cfg.prompt is not None:
         traj = asyncio.run(session.send(cfg.prompt))

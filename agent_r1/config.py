@@ -8,6 +8,7 @@ values are checked against the field types, so a typo fails at start, never hour
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import difflib
 import inspect
@@ -46,11 +47,22 @@ def load_config(cls: type[T], path: str | None = None, overrides: list[str] | No
         *parents, leaf = key.split(".")
         node = raw
         for part in parents:
+            if isinstance(node.get(part), str):  # a named section: `task=gsm8k` then `task.data=...`
+                node[part] = {"name": node[part]}
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part} is not a section")
-        node[leaf] = yaml.safe_load(value) if value else ""
+        parsed = yaml.safe_load(value) if value else ""
+        if isinstance(node.get(leaf), dict) and isinstance(parsed, str):  # `task.ops=[1]` then `task=calculator`
+            node[leaf]["name"] = parsed
+        else:
+            node[leaf] = parsed
     return _build(cls, raw, prefix="")
+
+
+def build(cls: type[T], raw: dict[str, Any], prefix: str = "") -> T:
+    """`cls` from a plain dict (nested sections as dicts), with every check `load_config` makes."""
+    return _build(cls, raw, prefix)
 
 
 def _build(cls: type[T], raw: dict[str, Any], prefix: str) -> T:
@@ -59,14 +71,34 @@ def _build(cls: type[T], raw: dict[str, Any], prefix: str) -> T:
     kwargs = {}
     for key, value in raw.items():
         if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1)
+            close = difflib.get_close_matches(key, fields, n=1) or _in_a_section(key, fields)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(fields)}"
             raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
+        if hasattr(hints[key], "from_raw"):  # a section whose fields depend on its name (TaskSpec)
+            try:
+                kwargs[key] = hints[key].from_raw(value, f"{prefix}{key}", _default(fields[key]), _build)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            continue
         kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _in_a_section(key: str, fields: dict[str, dataclasses.Field]) -> list[str]:
+    """`section.key` when `key` is a field of one of the sections (e.g. `data` -> `task.data`)."""
+    for name, f in fields.items():
+        default = _default(f)
+        section = getattr(default, "options", default)  # a task's options, or a plain section
+        if dataclasses.is_dataclass(section) and key in {g.name for g in dataclasses.fields(section)}:
+            return [f"{name}.{key}"]
+    return []
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:
@@ -85,6 +117,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"config key '{key}' is a section; set its fields like {key}.field=value")
         return _build(tp, value, prefix=f"{key}.")
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' is a section; set its fields like {key}.field=value")
+        return dict(value)
     if origin in (tuple, list):
         if not isinstance(value, list | tuple):
             value = [value]
@@ -120,7 +156,11 @@ def describe(cls: type, prefix: str = "") -> str:
     docs = _field_docs(cls)
     lines = []
     for f in dataclasses.fields(cls):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        default = _default(f)
+        if hasattr(default, "to_raw"):  # a task: its name, then its own options
+            lines.append(f"  {prefix}{f.name} = {default.name!r}  # {docs.get(f.name, '')}")
+            lines.append(describe(type(default.options), prefix=f"{prefix}{f.name}."))
+            continue
         if dataclasses.is_dataclass(default):
             lines.append(describe(type(default), prefix=f"{prefix}{f.name}."))
             continue
@@ -142,5 +182,15 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 
 def to_dict(config: Any) -> dict[str, Any]:
-    """Plain dict of a config, for saving the resolved config next to a run."""
-    return dataclasses.asdict(config)
+    """Plain dict of a config, for saving the resolved config next to a run (`load_config` reads it back)."""
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if hasattr(value, "to_raw"):
+            value = value.to_raw()
+        elif dataclasses.is_dataclass(value):
+            value = to_dict(value)
+        else:
+            value = copy.deepcopy(value)
+        out[f.name] = value
+    return out

@@ -7,50 +7,39 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rich.console import Console
 from rich.table import Table
 
-from agent_r1.data import Split, load_tasks
+from agent_r1.data import Split
 from agent_r1.env.base import Env
-from agent_r1.env.prompt_format import prompt_format_for
-from agent_r1.models.loading import is_chat_model, load_model
+from agent_r1.models.loading import load_model
 from agent_r1.observe.records import trajectory_records, write_records
-from agent_r1.recipes import Recipe, tasks_and_env
 from agent_r1.rollout.agent_loop import AgentEnvLoop, summarize
 from agent_r1.rollout.engine import Engine, SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
-from agent_r1.types import Trajectory
+from agent_r1.task import TaskSpec, resolve_chat
+from agent_r1.types import Termination, Trajectory
 
-KIND_KEYS = ("ops", "type")  # task fields that name a kind of problem, for a per-kind accuracy
+ERROR_WARNING = 0.5  # above this share of errored episodes, the accuracy says nothing about the model
 
 
 @dataclass
 class EvalConfig:
     model: str = "default"
     """"default", a bundled model (smollm2-135m-instruct, gemma3-270m) or a Hugging Face directory"""
-    recipe: Recipe = "calculator"
-    """task, tools and reward: calculator (synthetic word problems), gsm8k, or hotpotqa (search)"""
-    data: str | None = None
-    """jsonl of tasks with question/answer; None = the recipe's own tasks of `split`"""
+    task: TaskSpec = field(default_factory=TaskSpec)
+    """calculator, gsm8k, hotpotqa, or an import path (my_pkg.my_task); its options: task.KEY=VALUE"""
     split: Split = "test"
-    """the recipe's split: test (held out), val (what training validates on) or train"""
+    """the task's split: test (held out), val (what training validates on) or train"""
     num_tasks: int = 32
-    """how many tasks to evaluate (the first N of the data)"""
-    ops: tuple[int, ...] = (1, 2)
-    """operations per generated problem (difficulty levels 1-3), cycled"""
-    retriever: str = "bm25"
-    """hotpotqa recipe: search index, bm25 or dense, or the URL of an `agent-r1 retrieval-server`"""
-    max_tool_tokens: int = 256
-    """hotpotqa recipe: each search result is cut to this many tokens"""
+    """how many tasks to evaluate (the first N of the split)"""
     group_size: int = 1
     """samples per task"""
     max_turns: int = 4
     """turn budget per episode"""
-    few_shot: bool = True
-    """show one worked tool-use episode before the question"""
     prompt_format: Literal["auto", "chat", "text"] = "auto"
     """chat template or plain text; auto = chat when the model has a template"""
     temperature: float = 0.0
@@ -69,8 +58,6 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if self.num_tasks < 1 or self.group_size < 1:
             raise ValueError("num_tasks and group_size must be >= 1")
-        if any(o not in (1, 2, 3) for o in self.ops):
-            raise ValueError(f"ops must be in 1..3, got {self.ops}")
         _ = self.sampling  # validates temperature, top_p and max_new_tokens before any model loads
 
     @property
@@ -80,29 +67,31 @@ class EvalConfig:
 
 def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str, float], list[Trajectory]]:
     console = console or Console()
-    if cfg.data:
-        load_tasks(cfg.data)  # a bad data file fails before the model loads
+    tasks = cfg.task.tasks(cfg.split, cfg.num_tasks, cfg.seed)  # a bad data file fails before the model loads
+    if not tasks:
+        raise ValueError(f"task {cfg.task.name!r} has no {cfg.split} tasks")
     model, tokenizer = load_model(cfg.model)
-    chat = is_chat_model(cfg.model, tokenizer) if cfg.prompt_format == "auto" else cfg.prompt_format == "chat"
-    fmt = prompt_format_for(tokenizer, chat=chat)
-    tasks, make_env = tasks_and_env(
-        cfg.recipe, fmt, split=cfg.split, n=cfg.num_tasks, ops=cfg.ops, data=cfg.data,
-        max_turns=cfg.max_turns, few_shot=cfg.few_shot, retriever=cfg.retriever, max_tool_tokens=cfg.max_tool_tokens,
-    )  # fmt: skip
+    make_env = cfg.task.env_factory(tokenizer, resolve_chat(cfg.prompt_format, tokenizer, cfg.model), cfg.max_turns)
     engine = LocalEngine(model, tokenizer, max_batch_size=cfg.max_batch_size, seed=cfg.seed)
     with console.status(f"rolling out {len(tasks)} tasks × {cfg.group_size} on {cfg.model}"):
-        metrics, trajs = evaluate(engine, make_env, tasks, cfg.sampling, cfg.group_size, cfg.seed)
+        metrics, trajs = evaluate(engine, make_env, tasks, cfg.sampling, cfg.group_size, cfg.seed, cfg.task.kind_key)
     if cfg.out:  # the viewer reads these: agent-r1 view OUT
         write_records(cfg.out, trajectory_records(trajs, tokenizer))
     console.print(report_table(cfg.model, metrics))
+    if metrics["errors"] > ERROR_WARNING:
+        console.print(
+            f"[bold red]warning: {metrics['errors']:.0%} of the episodes ended in an error, so the accuracy "
+            f"measures the errors, not the model.[/] First error: {next(t.error for t in trajs if t.error)}"
+        )
     return metrics, trajs
 
 
 def evaluate(
     engine: Engine, make_env: Callable[[], Env], tasks: list[dict[str, Any]], sampling: SamplingParams,
-    group_size: int = 1, seed: int = 0,
+    group_size: int = 1, seed: int = 0, kind_key: str | None = None,
 ) -> tuple[dict[str, float], list[Trajectory]]:  # fmt: skip
-    """Roll every task out `group_size` times; summary metrics plus `accuracy` and `seconds`.
+    """Roll every task out `group_size` times; summary metrics plus `accuracy`, `episodes`, `errors`
+    (the share that ended in an exception) and `seconds`.
 
     Accuracy is the mean `reward/correct` part when the reward reports one (the format bonus must
     not count), else the share of episodes with reward >= 1."""
@@ -111,14 +100,15 @@ def evaluate(
     metrics = summarize(trajs)
     metrics["seconds"] = time.perf_counter() - start
     metrics["accuracy"] = metrics.get("reward/correct", sum(t.reward >= 1.0 for t in trajs) / len(trajs))
-    return metrics | accuracy_by_kind(trajs), trajs
+    metrics["episodes"] = float(len(trajs))
+    metrics["errors"] = sum(t.termination == Termination.ERROR for t in trajs) / len(trajs)
+    return metrics | accuracy_by_kind(trajs, kind_key), trajs
 
 
-def accuracy_by_kind(trajs: list[Trajectory]) -> dict[str, float]:
+def accuracy_by_kind(trajs: list[Trajectory], key: str | None) -> dict[str, float]:
     """`accuracy/<key>=<value>` per kind of task, when every task names one: the calculator's `ops`
     (1-3 operations) or HotpotQA's `type` (bridge, comparison). One mean hides which kind moved."""
-    key = next((k for k in KIND_KEYS if trajs and all(k in t.task for t in trajs)), None)
-    if key is None:
+    if key is None or not trajs or not all(key in t.task for t in trajs):
         return {}
     hits: dict[str, list[float]] = {}
     for t in trajs:
@@ -131,6 +121,8 @@ def report_table(title: str, m: dict[str, float]) -> Table:
     """Accuracy, tool use and turns, then every logged reward part (EM, F1, format, ...)."""
     parts = sorted(k for k in m if k.startswith("reward/") and k != "reward/correct")
     columns = {
+        "episodes": f"{m['episodes']:.0f}",
+        "errors": f"{m['errors']:.0%}",
         "accuracy": f"{m['accuracy']:.1%}",
         "tool calls / episode": f"{m['tool_calls']:.2f}",
         "format errors / episode": f"{m['format_errors']:.2f}",

@@ -68,6 +68,7 @@ class Step:
     text: str = ""  # decoded response, for parsing and viewing only
     index: int = 0  # position of the step in its trajectory
     finish_reason: str = ""  # why sampling stopped: "stop" | "eos" | "length" ("length" = truncated)
+    done: bool = False  # the env ended the episode with this step: its reward is the outcome
 
 
 @dataclass
@@ -91,6 +92,17 @@ class Trajectory:
     def reward(self) -> float:
         """Total (undiscounted) reward of the episode."""
         return sum(self.rewards)
+
+    @property
+    def outcome(self) -> float:
+        """The reward of the step on which the env ended the episode; 0.0 when it was cut off instead
+        (turn cap, context overflow, error) and its last step was an ordinary tool step."""
+        return (self.steps[-1].reward or 0.0) if self.steps and self.steps[-1].done else 0.0
+
+    @property
+    def process_rewards(self) -> list[float]:
+        """Per-step rewards of every step but the one that ended the episode (which carries the outcome)."""
+        return [0.0 if s.done else (s.reward or 0.0) for s in self.steps]
 
 
 @dataclass

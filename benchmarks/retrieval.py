@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from agent_r1.recipes import hotpotqa
+from agent_r1.tasks import hotpotqa
 
 
 def main() -> None:

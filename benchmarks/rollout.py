@@ -19,17 +19,17 @@ import torch
 
 from agent_r1.env.prompt_format import prompt_format_for
 from agent_r1.models.loading import is_chat_model, load_model
-from agent_r1.recipes import calculator
 from agent_r1.rollout.agent_loop import AgentEnvLoop, summarize
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
+from agent_r1.tasks import calculator
 
 
 def bench_agent_loop(model, tokenizer, fmt, tasks, args) -> dict[str, float]:
     engine = LocalEngine(model, tokenizer, max_batch_size=args.tasks, seed=0)
     loop = AgentEnvLoop(
         engine,
-        lambda: calculator.make_env(fmt, max_turns=args.max_turns),
+        lambda: calculator.make_env(calculator.Options(), fmt, max_turns=args.max_turns),
         SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0),
         seed=0,
     )
@@ -48,7 +48,7 @@ def bench_agent_loop(model, tokenizer, fmt, tasks, args) -> dict[str, float]:
 
 
 def bench_hf_generate(model, tokenizer, fmt, tasks, args) -> dict[str, float]:
-    env = calculator.make_env(fmt, max_turns=args.max_turns)
+    env = calculator.make_env(calculator.Options(), fmt, max_turns=args.max_turns)
     prompts = [asyncio.run(env.reset(t)).token_ids for t in tasks]
     width = max(map(len, prompts))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

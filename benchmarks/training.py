@@ -16,12 +16,11 @@ import time
 
 import torch
 
-from agent_r1.data.demos import demo_to_sequence
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.models import load_model
-from agent_r1.recipes import calculator as recipe
+from agent_r1.tasks import calculator as recipe
 from agent_r1.trainer.batching import Row, pack, token_logprobs
-from agent_r1.trainer.sft import SFTConfig, demonstrations
+from agent_r1.trainer.sft import demo_to_sequence
 
 
 def main() -> None:
@@ -30,10 +29,10 @@ def main() -> None:
     args = parser.parse_args()
     model, tok = load_model("default")
     fmt = ChatFormat(tok)
-    env = recipe.make_env(fmt, few_shot=False)
+    env = recipe.make_env(recipe.Options(few_shot=False), fmt)
     prefix = env.prompt_prefix
     rows = []
-    for demo in demonstrations(SFTConfig(num_examples=args.rows, ops=(1, 2)), env):
+    for demo in recipe.demos(recipe.Options(ops=(1, 2)), env, args.rows):
         seq = demo_to_sequence(demo, prefix, fmt, tok)
         n = len(seq.input_ids)
         ids, mask = torch.tensor(seq.input_ids), torch.tensor(seq.loss_mask, dtype=torch.float32)

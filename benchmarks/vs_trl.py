@@ -37,8 +37,8 @@ from agent_r1.config import load_config
 from agent_r1.env.base import StepResult
 from agent_r1.models import load_model, resolve_model_path
 from agent_r1.models.onednn import use_onednn
-from agent_r1.recipes.calculator import make_tasks
 from agent_r1.rewards.numeric import numeric_match
+from agent_r1.tasks.calculator import make_tasks
 from agent_r1.trainer.config import TrainConfig
 from agent_r1.trainer.rl import train
 from agent_r1.types import Action, Observation, Termination
@@ -192,9 +192,9 @@ def prompt_prefix(kind: str, tokenizer: Any) -> list[dict[str, str]]:
     if kind == "bare":
         return []
     from agent_r1.env.prompt_format import prompt_format_for
-    from agent_r1.recipes.calculator import make_env
+    from agent_r1.tasks.calculator import Options, make_env
 
-    return make_env(prompt_format_for(tokenizer, chat=True), few_shot=False).prompt_prefix
+    return make_env(Options(few_shot=False), prompt_format_for(tokenizer, chat=True)).prompt_prefix
 
 
 def main() -> None:

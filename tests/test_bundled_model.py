@@ -5,11 +5,11 @@ import torch
 
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.models import load_model
-from agent_r1.recipes import calculator
 from agent_r1.rollout.agent_loop import AgentEnvLoop, summarize
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.merge import merge_trajectories
+from agent_r1.tasks import calculator
 from agent_r1.types import Termination
 from tests.conftest import recompute_logprobs
 
@@ -20,7 +20,7 @@ def test_bundled_model_on_eight_calculator_tasks():
     engine = LocalEngine(model, tokenizer, seed=0)
     loop = AgentEnvLoop(
         engine,
-        lambda: calculator.make_env(ChatFormat(tokenizer), max_turns=3),
+        lambda: calculator.make_env(calculator.Options(), ChatFormat(tokenizer), max_turns=3),
         SamplingParams(max_new_tokens=48, temperature=1.0),
         seed=0,
     )

@@ -82,7 +82,7 @@ def test_history_is_kept_between_messages(tool_model_dir, tokenizer):
     [
         (
             ["chat", "--tools", "calculator,browser"],
-            "unknown tool 'browser'; available tools: calculator, echo, search",
+            "unknown tool 'browser'; available tools: calculator, echo",
         ),
         (["chat", "--json"], "--json needs --prompt"),
         (["chat", "--model", "/no/such/model", "--prompt", "hi"], "model not found"),
@@ -94,9 +94,29 @@ def test_bad_chat_arguments_give_one_line(args, message, capsys):
     assert message in err and err.count("\n") == 1
 
 
-def test_search_tool_is_available_to_chat():
-    from agent_r1.chat import ChatConfig, chat_tools
+def test_chat_sees_the_tools_and_instructions_of_its_task(tokenizer):
+    """--task hotpotqa brings its search tool and its instructions, plus the --tools asked for."""
+    from agent_r1.chat import ChatConfig, session_prompt
+    from agent_r1.tasks import hotpotqa
 
-    tools = chat_tools(ChatConfig(tools=("search,calculator",)))
-    assert list(tools) == ["search", "calculator"]
+    tools, instructions, examples = session_prompt(ChatConfig(task="hotpotqa", tools=("calculator",)), tokenizer, True)
+    assert list(tools) == ["search", "calculator"] and instructions == hotpotqa.INSTRUCTIONS and examples == []
     assert tools["search"].fn("Tinted Windows band").startswith("Doc 1 (Title: Tinted Windows")
+    tools, instructions, _ = session_prompt(ChatConfig(), tokenizer, True)  # no task: the calculator alone
+    assert list(tools) == ["calculator"] and instructions == ""
+
+
+def test_chat_uses_the_task_recorded_with_a_trained_policy(tmp_path, tokenizer):
+    """A policy directory written by training records its task (and options): chat prompts with them."""
+    import json
+
+    from agent_r1.chat import ChatConfig, session_prompt
+    from agent_r1.tasks import calculator
+
+    task = {"name": "calculator", "ops": [1], "few_shot": True, "format_weight": 0.0, "data": None}
+    (tmp_path / "agent_r1.json").write_text(json.dumps({"prompt_format": "chat", "task": task}))
+    tools, instructions, examples = session_prompt(ChatConfig(model=str(tmp_path)), tokenizer, True)
+    assert list(tools) == ["calculator"] and instructions == calculator.INSTRUCTIONS
+    assert examples == calculator.EXAMPLE  # few_shot=True was recorded: the worked example is shown too
+    _, system, _ = session_prompt(ChatConfig(model=str(tmp_path), system="Be brief."), tokenizer, True)
+    assert system == "Be brief."

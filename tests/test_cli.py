@@ -9,7 +9,9 @@ from agent_r1.cli import main
     ("args", "message"),
     [
         (["eval", "model=/no/such/model"], "model not found: '/no/such/model'"),
-        (["eval", "data=/no/such/file.jsonl"], "cannot read data file /no/such/file.jsonl"),
+        (["eval", "task.data=/no/such/file.jsonl"], "cannot read data file /no/such/file.jsonl"),
+            (["eval", "data=/no/such/file.jsonl"], "unknown config key 'data'; did you mean 'task.data'?"),
+            (["eval", "task=no_such_task"], "task 'no_such_task' cannot be imported"),
         (["eval", "temprature=0.5"], "did you mean 'temperature'?"),
         (["eval", "num_tasks=0"], "num_tasks and group_size must be >= 1"),
         (["eval", "/no/such/config.yaml"], "cannot read config file"),
@@ -25,7 +27,7 @@ def test_bad_input_gives_one_line(args, message, capsys):
 def test_bad_data_line(tmp_path, capsys):
     data = tmp_path / "tasks.jsonl"
     data.write_text('{"question": "q", "answer": 1}\n{"question": "no answer"}\n')
-    assert main(["eval", f"data={data}"]) == 2
+    assert main(["eval", f"task.data={data}"]) == 2
     assert "line 2 must be an object with keys question, answer" in capsys.readouterr().err
 
 

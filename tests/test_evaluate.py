@@ -17,12 +17,12 @@ def test_accuracy_per_kind_uses_the_correct_part_not_the_format_bonus():
         traj({"ops": 1}, 1.0, 1.1),
         traj({"ops": 2}, 0.0, 0.1),
     ]
-    assert accuracy_by_kind(trajs) == {"accuracy/ops=1": 2 / 3, "accuracy/ops=2": 0.0}
+    assert accuracy_by_kind(trajs, "ops") == {"accuracy/ops=1": 2 / 3, "accuracy/ops=2": 0.0}
 
 
 def test_hotpotqa_types_and_rewards_without_a_correct_part():
     trajs = [traj({"type": "bridge"}, None, 1.0), traj({"type": "comparison"}, None, 0.5)]
-    assert accuracy_by_kind(trajs) == {"accuracy/type=bridge": 1.0, "accuracy/type=comparison": 0.0}
+    assert accuracy_by_kind(trajs, "type") == {"accuracy/type=bridge": 1.0, "accuracy/type=comparison": 0.0}
 
 
 def test_no_breakdown_unless_every_task_names_its_kind():

@@ -200,30 +200,36 @@ def reinforce_pp_baseline(
 
 
 @torch.no_grad()
-def gae(rewards: list[Tensor], values: list[Tensor], gamma: float, lam: float) -> tuple[list[Tensor], list[Tensor]]:
+def gae(
+    rewards: list[Tensor], values: list[Tensor], gamma: float, lam: float, step_ends: list[Tensor] | None = None
+) -> tuple[list[Tensor], list[Tensor]]:
     """Generalized Advantage Estimation (Schulman et al. 2015, arXiv 1506.02438), per trajectory.
 
-    delta_t = r_t + gamma * V_{t+1} - V_t,  A_t = delta_t + gamma * lam * A_{t+1},  with V after the
-    last element = 0 (every trajectory is a finished episode). Returns (advantages, returns = A + V),
-    each a list of [T_i] tensors.
+    delta_t = r_t + g_t V_{t+1} - V_t,  A_t = delta_t + g_t l_t A_{t+1},  with V after the last element
+    = 0 (every trajectory is a finished episode). Returns (advantages, returns = A + V), each a list of
+    [T_i] tensors.
 
-    Two uses:
+    **Units: gamma and lam are per step (per turn of the MDP), everywhere in agent-r1.**
     * step level: rewards[i][k] is step k's reward and values[i][k] the value of the state before
-      step k (e.g. the critic at the last prompt token of the step);
+      step k; g_t = gamma, l_t = lam.
     * token level: rewards/values per sampled token, in order across the trajectory's steps (prompt
-      and tool tokens left out); the caller puts each step's reward on the step's last sampled token
-      (`rewards_on_last_token`). Tool/observation tokens are then transparent: gamma applies per sampled
-      token, as in PPO for single-turn RLHF.
+      and tool tokens left out), each step's reward on its last token (`rewards_on_last_token`).
+      `step_ends[i]` [T_i] (bool) marks the last token of each step: gamma and lam apply only there,
+      between a step's last token and the next step's first; inside a step g_t = l_t = 1, so a turn's
+      tokens share its credit undiscounted and gamma = 0.9 means the same in both modes. With
+      `step_ends=None` every element is a step (the step-level case).
     """
     advs, rets = [], []
-    for r, v in zip(rewards, values, strict=True):  # r, v [T]
+    ends = step_ends if step_ends is not None else [None] * len(rewards)
+    for r, v, end in zip(rewards, values, ends, strict=True):  # r, v [T]
         if r.shape != v.shape:
             raise ValueError(f"gae: rewards {tuple(r.shape)} and values {tuple(v.shape)} differ")
         a = torch.zeros_like(v, dtype=torch.promote_types(v.dtype, torch.float32))  # [T]
         running, next_v = 0.0, 0.0
         for t in range(len(r) - 1, -1, -1):
-            delta = float(r[t]) + gamma * next_v - float(v[t])
-            running = delta + gamma * lam * running
+            g, gl = (gamma, gamma * lam) if end is None or bool(end[t]) else (1.0, 1.0)
+            delta = float(r[t]) + g * next_v - float(v[t])
+            running = delta + gl * running
             a[t] = running
             next_v = float(v[t])
         advs.append(a)

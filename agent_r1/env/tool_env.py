@@ -57,6 +57,7 @@ class ToolEnv:
         self.tools = dict(tools)
         self.format = prompt_format
         self.reward_fn = reward_fn
+        self.instructions = instructions
         self.system = tools_system_prompt([t.schema for t in self.tools.values()], instructions)
         self.examples = list(examples or [])
         self.max_turns = max_turns

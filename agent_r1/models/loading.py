@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from agent_r1.models.onednn import use_onednn
+from agent_r1.utils.paths import cache_dir
 
 
 class ModelNotFoundError(ValueError):
@@ -49,11 +50,6 @@ BUNDLED: dict[str, BundledModel] = {
 }
 EXPORT_INFO = "agent_r1.json"  # written by `agent-r1 export` next to the weights: how the model is prompted
 DEFAULT_MODEL = "smollm2-135m-instruct"  # why: see docs/models.md (speed on CPU and a chat template)
-
-
-def cache_dir() -> Path:
-    """Where converted models live: $AGENT_R1_CACHE, else ~/.cache/agent_r1."""
-    return Path(os.environ.get("AGENT_R1_CACHE", Path.home() / ".cache" / "agent_r1"))
 
 
 def resolve_model_path(name_or_path: str) -> Path:

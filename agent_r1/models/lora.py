@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from agent_r1.trainer.config import LoraConfig
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    """train LoRA adapters (peft) instead of all weights; the reference policy is then free"""
+    r: int = 16
+    """adapter rank"""
+    alpha: int = 32
+    """adapter scaling numerator (scale = alpha / r)"""
+    dropout: float = 0.0
+    """dropout on the adapter input"""
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """module names that get adapters"""
 
 
 def with_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:

@@ -39,6 +39,8 @@ class HealthConfig:
     """share of groups with equal rewards (no GRPO signal) above which learning stalls"""
     truncation: float = 0.2
     """share of episodes cut by max_new_tokens or the context window that is too high"""
+    errors: float = 0.0
+    """share of episodes that ended in an error (env or engine exception) above which to warn"""
 
 
 def _mean(history: list[Metrics], key: str, last: bool, n: int) -> float | None:
@@ -123,6 +125,18 @@ def truncation(history: list[Metrics], cfg: HealthConfig) -> str | None:
     )
 
 
+def episode_errors(history: list[Metrics], cfg: HealthConfig) -> str | None:
+    """Episodes that ended in an exception (env, tool host or engine): they are left out of the update,
+    so a high share means the run trains on a biased few, or on nothing."""
+    share = history[-1].get("termination/error")
+    if share is None or share <= cfg.errors:
+        return None
+    return (
+        f"{share:.0%} of episodes ended in an error and were not trained on (see `error` in the trajectory "
+        "records, agent-r1 view RUN_DIR). Check the env, its data file and the engine."
+    )
+
+
 def nonfinite(history: list[Metrics], cfg: HealthConfig) -> str | None:
     """NaN/inf in a loss, a gradient or any metric."""
     m = history[-1]
@@ -142,6 +156,7 @@ CHECKS: dict[str, Callable[[list[Metrics], HealthConfig], str | None]] = {
     "logprob_drift": logprob_drift,
     "zero_variance": zero_variance,
     "truncation": truncation,
+    "errors": episode_errors,
     "nonfinite": nonfinite,
 }
 

@@ -7,7 +7,9 @@ sync (`wandb sync RUN_DIR/wandb/offline-run-*`) and tooling work as users expect
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -43,6 +45,18 @@ class JsonlLogger:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+
+    def truncate(self, step: int) -> None:
+        """Keep the lines of steps <= `step` (all lines go when `step` < 0): a run resumed from its
+        checkpoint at `step` redoes the later steps, which must not appear twice. Atomic rewrite."""
+        if not self.path.is_file():
+            return
+        lines = [x for x in self.path.read_text().splitlines() if x.strip()]
+        kept = [x for x in lines if json.loads(x).get("step", 0) <= step]
+        if len(kept) != len(lines):
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            tmp.write_text("".join(x + "\n" for x in kept))
+            os.replace(tmp, self.path)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         append_jsonl(self.path, {"step": step, **metrics})
@@ -88,8 +102,12 @@ class WandbLogger:
 class Loggers:
     """Every configured logger; `log` writes one step to all of them."""
 
-    def __init__(self, cfg: LogConfig, run_dir: Path, config: dict[str, Any]) -> None:
-        self.loggers: list[Logger] = [JsonlLogger(run_dir / "metrics.jsonl")]
+    def __init__(self, cfg: LogConfig, run_dir: Path, config: dict[str, Any], keep_until: int | None = None) -> None:
+        """`keep_until`: keep the metrics.jsonl lines of steps <= it and drop later ones (None: keep all)."""
+        self.jsonl = JsonlLogger(run_dir / "metrics.jsonl")
+        if keep_until is not None:
+            self.jsonl.truncate(keep_until)
+        self.loggers: list[Logger] = [self.jsonl]
         if cfg.tensorboard:
             self.loggers.append(TensorBoardLogger(run_dir / "tensorboard"))
         if cfg.wandb:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from agent_r1.rollout.merge import extends, merge_trajectory
-from agent_r1.types import Trajectory
+from agent_r1.types import TrainSequence, Trajectory
 
 TRAJECTORY_DIR = "trajectories"
 _STEP_FILE = re.compile(r"step_(\d+)\.jsonl\.gz$")
@@ -31,16 +31,18 @@ def trajectory_records(
     tokenizer: Any,
     *,
     step: int | None = None,
-    advantages: Sequence[Sequence[torch.Tensor]] | None = None,
-    ref_logprobs: Sequence[Sequence[torch.Tensor | None]] | None = None,
+    sequences: Sequence[Sequence[TrainSequence]] | None = None,
+    advantages: Sequence[Sequence[torch.Tensor] | None] | None = None,
+    ref_logprobs: Sequence[Sequence[torch.Tensor | None] | None] | None = None,
 ) -> list[dict[str, Any]]:
-    """One record per trajectory. `advantages[i][j]` ([T]) belongs to row j of `merge_trajectory(trajs[i])`,
-    the same rows the trainer builds, so token ids, masks and advantages line up exactly."""
+    """One record per trajectory. `sequences[i]` are its training rows as the trainer merged them (merged
+    here when not given) and `advantages[i][j]` ([T]) belongs to row j, so token ids, masks and
+    advantages line up exactly; `advantages[i]` is None for an episode that was not trained on."""
     out = []
     for i, traj in enumerate(trajs):
-        rows = merge_trajectory(traj)
-        advs = advantages[i] if advantages is not None else [None] * len(rows)
-        refs = ref_logprobs[i] if ref_logprobs is not None else [None] * len(rows)
+        rows = sequences[i] if sequences is not None else merge_trajectory(traj)
+        advs = (advantages[i] if advantages is not None else None) or [None] * len(rows)
+        refs = (ref_logprobs[i] if ref_logprobs is not None else None) or [None] * len(rows)
         row_records = [_row_record(r, a, ref, tokenizer) for r, a, ref in zip(rows, advs, refs, strict=True)]
         out.append(
             {

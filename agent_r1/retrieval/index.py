@@ -19,7 +19,7 @@ from typing import Literal, Protocol
 
 from rich.console import Console
 
-from agent_r1.models.loading import cache_dir
+from agent_r1.utils.paths import cache_dir
 
 Kind = Literal["bm25", "dense"]
 
@@ -114,7 +114,7 @@ class DenseRetriever:
         import faiss
         import numpy as np
 
-        from agent_r1.trainer.common import progress_bar
+        from agent_r1.utils.progress import progress_bar
 
         encoder = embedding_model()
         texts = [f"{p.title}\n{p.text}" for p in passages]

@@ -7,12 +7,13 @@ An index is built or loaded once by the server instead of once per worker proces
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, Field
 
 from agent_r1.retrieval.index import Hit, Passage, Retriever
+from agent_r1.task import TaskSpec
 
 
 class Query(BaseModel):
@@ -22,18 +23,18 @@ class Query(BaseModel):
 
 @dataclass
 class RetrievalServerConfig:
-    retriever: str = "bm25"
-    """index to serve: bm25 or dense"""
-    data: str | None = None
-    """an extra HotpotQA-layout jsonl whose paragraphs join the corpus"""
+    task: TaskSpec = field(default_factory=lambda: TaskSpec("hotpotqa"))
+    """the search task whose index to serve (task.retriever=bm25|dense, task.data=extra paragraphs)"""
     host: str = "127.0.0.1"
     """interface to listen on"""
     port: int = 8766
     """port"""
 
     def __post_init__(self) -> None:
-        if self.retriever not in ("bm25", "dense"):
-            raise ValueError(f"retriever must be bm25 or dense, got {self.retriever!r}")
+        if not hasattr(self.task.module, "retriever"):
+            raise ValueError(f"task {self.task.name!r} has no search index to serve (it defines no retriever())")
+        if getattr(self.task.options, "retriever", "bm25") not in ("bm25", "dense"):
+            raise ValueError(f"task.retriever must be bm25 or dense, got {self.task.options.retriever!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
 
@@ -63,11 +64,10 @@ def create_app(retriever: Retriever, name: str = "index"):
 def serve_retrieval(cfg: RetrievalServerConfig) -> None:
     import uvicorn
 
-    from agent_r1.recipes.hotpotqa import retriever_for
-
-    retriever = retriever_for(cfg.retriever, extra=[cfg.data] if cfg.data else [])
-    print(f"agent-r1 retrieval-server: {cfg.retriever} index at http://{cfg.host}:{cfg.port}/search")
-    uvicorn.run(create_app(retriever, cfg.retriever), host=cfg.host, port=cfg.port, log_level="warning")
+    kind = cfg.task.options.retriever
+    retriever = cfg.task.module.retriever(cfg.task.options)
+    print(f"agent-r1 retrieval-server: {kind} index of task {cfg.task.name} at http://{cfg.host}:{cfg.port}/search")
+    uvicorn.run(create_app(retriever, kind), host=cfg.host, port=cfg.port, log_level="warning")
 
 
 class RemoteRetriever:

@@ -65,7 +65,7 @@ class AgentEnvLoop:
                 out = (await self.engine.generate([prompt], self._params(env, index, turn)))[0]
                 action = Action(out.token_ids, out.logprobs, out.text, out.finish_reason)
                 obs, reward, done, info = await env.step(action)
-                step = Step(prompt, out.token_ids, out.logprobs, reward, info, out.text, turn, out.finish_reason)
+                step = Step(prompt, out.token_ids, out.logprobs, reward, info, out.text, turn, out.finish_reason, done)
                 traj.steps.append(step)
                 if done:
                     traj.termination = Termination(info.get("termination", Termination.ANSWERED))

@@ -1,4 +1,4 @@
-"""A safe arithmetic calculator, the default tool of the GSM8K-style recipes.
+"""A safe arithmetic calculator, the default tool of the calculator and GSM8K tasks.
 
 The model controls the input, so this never calls `eval`: the expression is parsed with `ast` and
 only numbers, + - * / // % ** and parentheses are evaluated. Sizes are bounded *before* computing,

@@ -11,11 +11,16 @@ position ids restart at 0 at every row, which transformers turns into a block-di
 (its "packed sequence" detection). On CPU the masked attention over a packed sequence is dense, so
 keep `max_tokens` near a row's length there (1024 by default).
 
+While the model trains with activation (gradient) checkpointing on, transformers ignores the KV
+cache inside the decoder layers, so a shared-prefix micro-batch is then run packed instead: the same
+log-probs and gradients, without the prefix saving.
+
 Bins are filled first-fit-decreasing by the tokens they will actually compute.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -165,13 +170,23 @@ def token_logprobs(
     """Log-prob of every masked token under `model` from one forward pass over the micro-batch.
 
     Logits are computed only at positions that predict a masked token, which skips the vocabulary
-    projection for prompt and tool tokens. Returns logp [L] (0 off the mask); entropy [L] (0 off the
-    mask; differentiable when `entropy_grad`) or None; the last hidden state aligned to inputs [L, H]
-    (zeros inside a shared prefix) or None.
+    projection for prompt and tool tokens; the model's own logit processing (`_logit_ops`: soft-cap,
+    scale) follows the projection, then the temperature. Returns logp [L] (0 off the mask); entropy
+    [L] (0 off the mask; differentiable when `entropy_grad`) or None; the last hidden state aligned
+    to inputs [L, H] (zeros inside a shared prefix that was run once) or None.
     """
+    ops = _logit_ops(model)  # before the forward, so that an unsupported model fails at once
     targets = mb.mask.nonzero().squeeze(-1)  # [M] positions of sampled tokens
-    states = _shared_forward(model, mb) if mb.prefix_len else _packed_forward(model, mb)  # [L, H]
+    shared = mb.prefix_len > 0 and not _drops_kv_cache(_backbone(model))
+    states = _shared_forward(model, mb) if shared else _packed_forward(model, mb)  # [L, H]
     logits = model.get_output_embeddings()(states[targets - 1]).float()  # [M, V]
+    for op, value in ops:  # none for most models (Llama, Qwen, Mistral, SmolLM, ...)
+        if op == "softcap":
+            logits = torch.tanh(logits / value) * value
+        elif op == "mul":
+            logits = logits * value
+        else:  # "div"
+            logits = logits / value
     if temperature != 1.0:
         logits = logits / temperature
     ids = mb.input_ids[targets]  # [M]
@@ -263,3 +278,103 @@ def _shared_forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
 def _backbone(model: torch.nn.Module) -> torch.nn.Module:
     """The decoder without its LM head (works for plain and peft-wrapped causal LMs)."""
     return model.get_decoder()
+
+
+def _drops_kv_cache(backbone: torch.nn.Module) -> bool:
+    """Whether transformers will ignore `past_key_values` and `use_cache` in this decoder's layers.
+
+    While a model trains with activation (gradient) checkpointing on, each checkpointed decoder layer
+    sets `past_key_values=None, use_cache=False` (transformers' `GradientCheckpointingLayer`), so
+    `_shared_forward`'s suffix pass would silently not see the prefix. `gradient_checkpointing_enable`
+    sets the decoder's own flag along with its layers' (peft-wrapped models too); the scan over the
+    modules is only for a decoder without a flag of its own.
+    """
+    if not backbone.training:
+        return False
+    flag = getattr(backbone, "gradient_checkpointing", None)
+    if flag is not None:
+        return bool(flag)
+    return any(getattr(m, "gradient_checkpointing", False) and m.training for m in backbone.modules())
+
+
+# What a causal LM's forward does to `lm_head(hidden)` before it returns the logits (transformers 5.x,
+# by the config's model type): (attribute of the text config, operation) steps, in order. A type not
+# listed soft-caps by `final_logit_softcapping` when set (Gemma 2, Gemma 3/3n/4 text, VaultGemma, ...).
+_SOFTCAP = (("final_logit_softcapping", "softcap"),)
+_LOGIT_OPS: dict[str, tuple[tuple[str, str], ...]] = {
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe", "cohere_compass_text"), (("logit_scale", "mul"),)),
+    **dict.fromkeys(
+        ("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared"),
+        (("logits_scaling", "div"),),
+    ),
+    "hyperclovax": (("logits_scaling", "mul"),),  # MuP: it multiplies where Granite divides
+    "minicpm3": (("logits_scaling", "div"),),  # it divides the hidden states: the same linear map
+    "falcon_h1": (("lm_head_multiplier", "mul"),),
+    "recurrent_gemma": (("logits_soft_cap", "softcap"),),
+    # multimodal configs, whose ...ForConditionalGeneration reads the text config (or not)
+    **dict.fromkeys(("gemma3n", "gemma4", "gemma4_unified", "paligemma", "mistral_large4"), _SOFTCAP),
+    "cohere_compass": (("logit_scale", "mul"),),
+    **dict.fromkeys(("granite4_vision", "granite_docling"), (("logits_scaling", "div"),)),
+    "hyperclovax_vision_v2": (("logits_scaling", "mul"),),
+    **dict.fromkeys(("gemma3", "aya_vision", "cohere2_vision"), ()),  # their forwards ignore the text config's
+}
+# Config attributes that some causal LM's forward uses to change its logits after the projection.
+_LOGIT_ATTRS = (
+    "final_logit_softcapping",
+    "logits_soft_cap",
+    "logit_scale",
+    "logits_scaling",
+    "lm_head_multiplier",
+    "output_multiplier",  # MuseGlimmer/MuseSpark: a multiplier before the soft-cap
+    "output_logit_soft_cap",  # xLSTM
+    "logits_mup_width_multiplier",  # Inkling: divides the hidden states
+    "unpadded_vocab_size",  # Inkling: cuts the padded vocabulary off the logits
+)
+
+
+def _logit_ops(model: torch.nn.Module) -> tuple[tuple[str, float], ...]:
+    """The (operation, value) steps that `model`'s forward applies to its LM head's output.
+
+    Why: `token_logprobs` runs the vocabulary projection itself (at sampled positions only), so any
+    logit processing in the model's forward (Gemma's soft-cap, Cohere's and Granite's scaling) must be
+    redone here, exactly, or the trained log-probs are not those the rollout sampled from. The steps
+    run in float32 after the projection (the model runs them in its own dtype). A model type not in
+    `_LOGIT_OPS` whose config sets another logit-changing attribute is refused with one line naming
+    the type and the attribute, rather than trained on wrong log-probs. Worked out once per model
+    (reading a config's attributes takes tens of microseconds), so its config must not change after.
+    """
+    ops = _LOGIT_OPS_OF.get(model)
+    if ops is None:
+        ops = _LOGIT_OPS_OF[model] = _logit_ops_of(getattr(model, "config", None))
+    return ops
+
+
+_LOGIT_OPS_OF: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[str, float], ...]] = weakref.WeakKeyDictionary()
+
+
+def _logit_ops_of(config: object) -> tuple[tuple[str, float], ...]:
+    if config is None:
+        return ()
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kind = getattr(config, "model_type", None)
+    ops = _LOGIT_OPS.get(kind)
+    if ops is None:
+        ops = _SOFTCAP if text is config else ()
+        for attr in _LOGIT_ATTRS:
+            value = getattr(text, attr, None)
+            if (attr, "softcap") not in ops and _changes_logits(attr, value, text):
+                raise ValueError(
+                    f"model type {kind!r} sets {attr}={value!r}, which changes its logits in a way "
+                    "token_logprobs does not reproduce; training this model type is not supported"
+                )
+    steps = ((op, getattr(text, attr, None)) for attr, op in ops)
+    return tuple((op, float(v)) for op, v in steps if v is not None and (op == "softcap" or v != 1))
+
+
+def _changes_logits(attr: str, value: object, config: object) -> bool:
+    """Whether a logit attribute's value does anything (a soft-cap always does; a factor unless 1)."""
+    if value is None:
+        return False
+    if attr == "unpadded_vocab_size":
+        return value != getattr(config, "vocab_size", None)
+    return "cap" in attr or not (isinstance(value, int | float) and value == 1)

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from agent_r1.models.loading import EXPORT_INFO
+
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
@@ -124,12 +126,17 @@ def _fsync_dir(path: Path) -> None:
 
 
 def export_policy(
-    model: torch.nn.Module, tokenizer: Any, out_dir: str | Path, extra: dict[str, str] | None = None
+    model: torch.nn.Module,
+    tokenizer: Any,
+    out_dir: str | Path,
+    info: dict[str, Any] | None = None,
+    extra: dict[str, str] | None = None,
 ) -> Path:
     """Save the policy as a plain Hugging Face directory (LoRA merged) that from_pretrained loads.
 
-    `extra` files (name -> text, e.g. best.json) are written inside the same atomic rename, so the
-    directory never holds weights without the note that describes them."""
+    `info` becomes its agent_r1.json (prompt format, task, tool-call format: how chat, serve and eval
+    must prompt it). `extra` files (name -> text, e.g. best.json) are written inside the same atomic
+    rename, so the directory never holds weights without the notes that describe them."""
     import copy
 
     out = Path(out_dir)
@@ -140,6 +147,8 @@ def export_policy(
     try:
         policy.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        if info is not None:
+            (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1))
         for name, text in (extra or {}).items():
             (tmp / name).write_text(text)
         if out.exists():
@@ -148,3 +157,44 @@ def export_policy(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def resume(
+    run_dir: str | Path,
+    config: dict[str, Any],
+    modules: dict[str, torch.nn.Module],
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    may_change: tuple[str, ...] = (),
+) -> dict[str, Any] | None:
+    """Restore the newest checkpoint of `run_dir` and return its meta (None: nothing to resume).
+
+    The run must be the one that wrote it: a config that differs at any key but `may_change` (e.g. more
+    steps) is refused with one line naming the key, before anything is loaded."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return None
+    saved = json.loads((ckpt / "meta.json").read_text()).get("config") or {}
+    now = json.loads(json.dumps(config))  # tuples as lists, like the saved copy
+    if (key := first_difference(saved, now, skip=may_change)) is not None:
+        raise ValueError(
+            f"{run_dir} holds a run whose config differs at '{key}' ({_at(saved, key)!r} there, "
+            f"{_at(now, key)!r} now): resume it with the same value, or train in a new run_dir"
+        )
+    return load_checkpoint(ckpt, modules, optimizer, scheduler) | {"path": str(ckpt)}
+
+
+def first_difference(a: Any, b: Any, skip: tuple[str, ...] = (), prefix: str = "") -> str | None:
+    """The first dotted key where two nested config dicts differ (top-level keys in `skip` are ignored)."""
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return None if a == b else prefix.rstrip(".")
+    for key in dict.fromkeys([*a, *b]):
+        if key not in skip and (found := first_difference(a.get(key), b.get(key), (), f"{prefix}{key}.")):
+            return found
+    return None
+
+
+def _at(config: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config

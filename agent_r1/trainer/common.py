@@ -1,4 +1,4 @@
-"""Pieces shared by the RL and SFT entry points: the optimizer, the learning-rate schedule and the progress bar."""
+"""Pieces shared by the RL and SFT entry points: the optimizer and the learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import math
 from collections.abc import Callable
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 
 def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
@@ -31,9 +29,3 @@ def lr_schedule(total: int, warmup: int, kind: str) -> Callable[[int], float]:
         return 1.0
 
     return factor
-
-
-def progress_bar(console: Console) -> Progress:
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=console
-    )

@@ -3,28 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
+from agent_r1.models.lora import LoraConfig
 from agent_r1.observe.health import HealthConfig
 from agent_r1.observe.loggers import LogConfig
-from agent_r1.recipes import Recipe
 from agent_r1.rollout.engine import SamplingParams
+from agent_r1.task import TaskSpec
 
 Estimator = Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"]
-
-
-@dataclass
-class LoraConfig:
-    enabled: bool = False
-    """train LoRA adapters (peft) instead of all weights; the reference policy is then free"""
-    r: int = 16
-    """adapter rank"""
-    alpha: int = 32
-    """adapter scaling numerator (scale = alpha / r)"""
-    dropout: float = 0.0
-    """dropout on the adapter input"""
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    """module names that get adapters"""
 
 
 @dataclass
@@ -43,6 +30,11 @@ class RolloutConfig:
     """nucleus sampling mass"""
     max_batch_size: int = 64
     """rows the engine decodes together"""
+    engine: Literal["local", "remote"] = "local"
+    """local: the trainer's own model object samples (no copy, no weight sync); remote: an
+    OpenAI-compatible server that speaks token ids (agent-r1 serve), weights synced after every step"""
+    url: str = ""
+    """rollout.engine=remote: the server's base URL (http://host:port)"""
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
@@ -60,10 +52,10 @@ class AlgoConfig:
     """GAE lambda"""
     policy_loss: Literal["ppo", "gspo"] = "ppo"
     """token-level PPO clip, or GSPO's sequence-level ratio"""
-    clip_low: float = 0.2
-    """ratio lower clip: 1 - clip_low"""
-    clip_high: float = 0.28
-    """ratio upper clip: 1 + clip_high (DAPO clip-higher; = clip_low for symmetric PPO)"""
+    clip_low: float | None = None
+    """ratio lower clip 1 - clip_low; None = the loss's default: 0.2 (ppo), 3e-4 (gspo, sequence ratios)"""
+    clip_high: float | None = None
+    """ratio upper clip 1 + clip_high; None = 0.28 (ppo, DAPO clip-higher), 4e-4 (gspo)"""
     dual_clip: float | None = None
     """dual-clip constant c > 1 for negative advantages (None = off)"""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
@@ -116,10 +108,8 @@ class ValConfig:
     """validate greedily every N RL steps, before the first and after the last (0 = never)"""
     num_tasks: int = 32
     """tasks of the recipe's validation split (disjoint from training and from the held-out test split)"""
-    ops: tuple[int, ...] = (1, 2)
-    """calculator recipe: operations per validation problem"""
-    data: str | None = None
-    """jsonl of validation tasks instead of the recipe's val split"""
+    task: dict[str, Any] = field(default_factory=dict)
+    """task options that differ for validation, e.g. val.task.ops=[1,2] or val.task.data=FILE (jsonl)"""
     metric: str = "accuracy"
     """eval metric that picks the best step, higher is better (accuracy, accuracy/ops=2, reward, reward/f1, ...)"""
     keep_best: bool = True
@@ -130,20 +120,8 @@ class ValConfig:
 class TrainConfig:
     model: str = "default"
     """"default", a bundled model name, a Hugging Face directory, or a checkpoint export"""
-    recipe: Recipe = "calculator"
-    """task, tools and reward: calculator (synthetic word problems), gsm8k, or hotpotqa (search)"""
-    data: str | None = None
-    """jsonl of tasks (question/answer); None = the recipe's generated training split"""
-    ops: tuple[int, ...] = (1, 2)
-    """calculator recipe: operations per generated problem"""
-    retriever: str = "bm25"
-    """hotpotqa recipe: search index, bm25 or dense, or the URL of an `agent-r1 retrieval-server`"""
-    max_tool_tokens: int = 256
-    """hotpotqa recipe: each search result is cut to this many tokens"""
-    few_shot: bool = True
-    """show one worked tool-use episode before the question"""
-    format_weight: float = 0.0
-    """weight of the answer-format check added to the outcome reward"""
+    task: TaskSpec = field(default_factory=TaskSpec)
+    """calculator, gsm8k, hotpotqa, or an import path (my_pkg.my_task); its options: task.KEY=VALUE"""
     prompt_format: Literal["auto", "chat", "text"] = "auto"
     """chat template or plain text; auto = chat when the model has a template"""
     steps: int = 20
@@ -184,17 +162,27 @@ class TrainConfig:
                 f"algo.estimator={a.estimator} compares samples of a task: rollout.group_size must be >= 2",
             ),
             (a.dual_clip is None or a.dual_clip > 1, f"algo.dual_clip must be > 1, got {a.dual_clip}"),
-            (a.clip_low > 0 and a.clip_high > 0, "algo.clip_low and algo.clip_high must be > 0"),
+            ((a.clip_low or 1) > 0 and (a.clip_high or 1) > 0, "algo.clip_low and algo.clip_high must be > 0"),
+            (
+                r.temperature > 0,
+                "rollout.temperature must be > 0 for training: the importance ratio and log-probs are taken "
+                "at the sampling temperature (greedy decoding has no log-probs to train on)",
+            ),
+            (r.engine == "local" or r.url, "rollout.engine=remote needs rollout.url (the server's base URL)"),
             (0 <= a.gamma <= 1 and 0 <= a.lam <= 1, "algo.gamma and algo.lam must be in [0, 1]"),
             (a.epochs >= 1 and a.mini_batches >= 1, "algo.epochs and algo.mini_batches must be >= 1"),
             (a.kl_coef >= 0, f"algo.kl_coef must be >= 0, got {a.kl_coef}"),
             (o.micro_batch_tokens >= 64, f"optim.micro_batch_tokens must be >= 64, got {o.micro_batch_tokens}"),
             (o.grad_clip > 0, f"optim.grad_clip must be > 0, got {o.grad_clip}"),
             (self.save_every >= 1 and self.keep_last >= 1, "save_every and keep_last must be >= 1"),
-            (self.max_tool_tokens >= 1, f"max_tool_tokens must be >= 1, got {self.max_tool_tokens}"),
             (self.val.every >= 0 and self.val.num_tasks >= 1, "val.every must be >= 0 and val.num_tasks >= 1"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
         r.sampling()  # validates temperature, top_p, max_new_tokens
+        gspo = a.policy_loss == "gspo"  # sequence-level ratios sit near 1: GSPO's paper clips at 3e-4 / 4e-4
+        a.clip_low = a.clip_low if a.clip_low is not None else (3e-4 if gspo else 0.2)
+        a.clip_high = a.clip_high if a.clip_high is not None else (4e-4 if gspo else 0.28)
+        self.val.task = {**self.val.task}
+        self.task.with_options(self.val.task, prefix="val.task.")  # an unknown or bad validation option fails now

@@ -17,10 +17,9 @@ from typing import Any
 
 import torch
 
-from agent_r1.models.loading import EXPORT_INFO, is_chat_model, load_model
-from agent_r1.models.lora import with_lora
+from agent_r1.models.loading import is_chat_model, load_model
+from agent_r1.models.lora import LoraConfig, with_lora
 from agent_r1.trainer.checkpoint import export_policy, latest_checkpoint, load_trained_state
-from agent_r1.trainer.config import LoraConfig
 
 
 @dataclass
@@ -62,25 +61,34 @@ def load_policy(checkpoint: Path, model: str | None = None) -> tuple[torch.nn.Mo
     return policy.eval(), tokenizer, config | {"model": base}
 
 
-def run_export(cfg: ExportConfig) -> Path:
-    checkpoint = find_checkpoint(cfg.checkpoint)
-    policy, tokenizer, config = load_policy(checkpoint, cfg.model)
-    fmt = config.get("prompt_format", "auto")
-    chat = is_chat_model(config["model"], tokenizer) if fmt == "auto" else fmt == "chat"
-    out = export_policy(policy, tokenizer, cfg.out)
-    info = {
-        "exported_from": str(checkpoint.resolve()),
-        "base_model": config["model"],
-        "step": json.loads((checkpoint / "meta.json").read_text()).get("step"),
-        "lora_merged": bool((config.get("lora") or {}).get("enabled")),
+def policy_info(base_model: str, chat: bool, task: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
+    """What a policy directory's agent_r1.json records: how the model was trained to be prompted (prompt
+    format, tool-call format) and on which task (name and options, whose instructions chat reuses)."""
+    return {
+        "base_model": base_model,
         "prompt_format": "chat" if chat else "text",
+        "task": task,
         "tool_call_format": {
             "name": "hermes",
             "call": '<tool_call>\n{"name": <tool-name>, "arguments": <arguments-object>}\n</tool_call>',
             "stop": "</tool_call>",
             "result": "<tool_response>\n<output>\n</tool_response>, all results of a turn in one user message",
         },
+        **extra,
     }
-    (out / EXPORT_INFO).write_text(json.dumps(info, indent=1))
+
+
+def run_export(cfg: ExportConfig) -> Path:
+    checkpoint = find_checkpoint(cfg.checkpoint)
+    policy, tokenizer, config = load_policy(checkpoint, cfg.model)
+    fmt = config.get("prompt_format", "auto")
+    chat = is_chat_model(config["model"], tokenizer) if fmt == "auto" else fmt == "chat"
+    info = policy_info(
+        config["model"], chat, config.get("task"),
+        exported_from=str(checkpoint.resolve()),
+        step=json.loads((checkpoint / "meta.json").read_text()).get("step"),
+        lora_merged=bool((config.get("lora") or {}).get("enabled")),
+    )  # fmt: skip
+    out = export_policy(policy, tokenizer, cfg.out, info=info)
     print(f"exported {checkpoint} -> {out}")
     return out

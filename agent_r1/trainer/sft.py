@@ -1,7 +1,7 @@
 """`agent-r1 sft`: the cold start, supervised fine-tuning on multi-turn tool-use demonstrations.
 
 The loss is the negative log-likelihood of the model's own turns only, using the loss masks the RL
-path builds (`data.demos.demo_to_sequence` lays a demonstration out exactly as a rollout). Rows are
+path builds (`demo_to_sequence` lays a task's demonstration out exactly as a rollout). Rows are
 packed into micro-batches. Checkpoints and the exported policy use the RL format, so
 `agent-r1 train model=RUN_DIR/policy` starts RL from the SFT result.
 """
@@ -17,38 +17,32 @@ from typing import Any, Literal
 import torch
 import yaml
 from rich.console import Console
+from transformers import PreTrainedTokenizerBase
 
 from agent_r1.config import to_dict
-from agent_r1.data.demos import calculator_demo, demo_to_sequence, gsm8k_demo
-from agent_r1.env.prompt_format import prompt_format_for
-from agent_r1.env.tool_env import ToolEnv
-from agent_r1.models.loading import is_chat_model, load_model
-from agent_r1.models.lora import with_lora
+from agent_r1.env.prompt_format import PromptFormat
+from agent_r1.models.loading import load_model
+from agent_r1.models.lora import LoraConfig, with_lora
 from agent_r1.models.onednn import use_onednn
-from agent_r1.recipes import calculator as calc_recipe
-from agent_r1.recipes import gsm8k, hotpotqa, tasks_and_env
+from agent_r1.rollout.merge import merge_trajectory
+from agent_r1.task import TaskSpec, resolve_chat
 from agent_r1.trainer.batching import Row, pack, token_logprobs
 from agent_r1.trainer.checkpoint import export_policy, save_checkpoint
-from agent_r1.trainer.common import adamw, lr_schedule, progress_bar
-from agent_r1.trainer.config import LoraConfig
-from agent_r1.types import Message
+from agent_r1.trainer.common import adamw, lr_schedule
+from agent_r1.trainer.export import policy_info
+from agent_r1.types import Message, Step, TrainSequence, Trajectory
 from agent_r1.utils.jsonl import append_jsonl
+from agent_r1.utils.progress import progress_bar
 
 
 @dataclass
 class SFTConfig:
     model: str = "default"
     """"default", a bundled model name or a Hugging Face directory"""
-    source: Literal["calculator", "gsm8k", "hotpotqa"] = "calculator"
-    """demonstrations: synthetic calculator problems, GSM8K's calculator annotations, or HotpotQA searches"""
-    data: str | None = None
-    """GSM8K / HotpotQA jsonl (None = the file in ../shared/data)"""
+    task: TaskSpec = field(default_factory=TaskSpec)
+    """the task whose demonstrations to train on (its `demos`), with its prompt: keep its options equal to RL's"""
     num_examples: int = 128
     """demonstrations to train on (from the training split)"""
-    ops: tuple[int, ...] = (1,)
-    """calculator source: operations per problem"""
-    few_shot: bool = False
-    """put the recipe's worked example in the prompt (keep equal to the RL/eval setting)"""
     prompt_format: Literal["auto", "chat", "text"] = "auto"
     """chat template or plain text; auto = chat when the model has a template"""
     epochs: int = 2
@@ -69,34 +63,38 @@ class SFTConfig:
     """where config, metrics, the checkpoint and the exported policy go"""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (off = full fine-tuning)"""
-    retriever: str = "bm25"
-    """hotpotqa source: the search index the demonstrations' tool responses come from (as in RL)"""
-    max_tool_tokens: int = 256
-    """hotpotqa source: each search result is cut to this many tokens (as in RL)"""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.num_examples < 1 or self.epochs < 1 or self.batch_size < 1:
             raise ValueError("num_examples, epochs and batch_size must be >= 1")
+        if not hasattr(self.task.module, "demos"):
+            raise ValueError(f"task {self.task.name!r} has no demonstrations for SFT (it defines no demos())")
 
 
-def demonstrations(cfg: SFTConfig, env: ToolEnv) -> list[list[Message]]:
-    """Demonstrations from the training split of the chosen source (GSM8K ones that disagree with
-    the calculator are skipped); tool responses come from `env`'s tools."""
-    if cfg.source == "hotpotqa":
-        return [hotpotqa.demo(t, env) for t in hotpotqa.load(cfg.data, n=cfg.num_examples)]
-    if cfg.source == "calculator":
-        return [calculator_demo(t) for t in calc_recipe.make_tasks(cfg.num_examples, seed=cfg.seed, ops=cfg.ops)]
-    demos = []
-    for task in gsm8k.load(cfg.data or gsm8k.DEFAULT_PATH):
-        try:
-            demos.append(gsm8k_demo(task["question"], task["solution"]))
-        except ValueError:
-            continue
-        if len(demos) == cfg.num_examples:
-            break
-    return demos
+def demo_to_sequence(
+    demo: list[Message], prefix: list[Message], fmt: PromptFormat, tokenizer: PreTrainedTokenizerBase
+) -> TrainSequence:
+    """One training row of a demonstration, laid out exactly as a rollout: prompt = `prefix` (system,
+    few-shot) + the question; a tool-call turn ends at `</tool_call>` (the stop string, no EOS), the final
+    answer with EOS; tool results enter through the format's continuation ids. The rollout path's own
+    `merge_trajectory` then gives the loss mask: 1 on the assistant turns, 0 on prompt, markup and tools.
+    """
+    if len(demo) < 2 or demo[0]["role"] != "user" or demo[-1]["role"] != "assistant":
+        raise ValueError("a demonstration is [user, assistant, (tool result, assistant)...]")
+    context = fmt.initial([*prefix, demo[0]])
+    steps = []
+    for k in range(1, len(demo), 2):
+        last = k == len(demo) - 1
+        ids = tokenizer.encode(demo[k]["content"], add_special_tokens=False)
+        if last:
+            ids.append(tokenizer.eos_token_id)  # the final answer ends the episode with EOS
+        steps.append(Step(list(context), ids, [0.0] * len(ids), index=len(steps)))
+        if not last:
+            context = context + ids + fmt.continuation([demo[k + 1]], after_eos=False)
+    (row,) = merge_trajectory(Trajectory(task={}, traj_id="demo", group_id="demo", steps=steps))
+    return row
 
 
 def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any = None, console=None) -> list[dict]:
@@ -105,23 +103,18 @@ def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     torch.manual_seed(cfg.seed)
+    chat_hint = cfg.model if model is None else None
     if model is None:
         model, tokenizer = load_model(cfg.model)
     use_onednn(model)  # a model passed in gets the same kernels as a loaded one (no-op if it has them)
     policy = with_lora(model, cfg.lora) if cfg.lora.enabled else model
-    chat = is_chat_model(cfg.model, tokenizer) if cfg.prompt_format == "auto" else cfg.prompt_format == "chat"
-    fmt = prompt_format_for(tokenizer, chat=chat)
+    chat = resolve_chat(cfg.prompt_format, tokenizer, chat_hint)
 
     # the prompt prefix RL and eval will use: system (tools + instructions) and optional example
-    _, make_env = tasks_and_env(
-        cfg.source, fmt, split="train", n=1, few_shot=cfg.few_shot, retriever=cfg.retriever,
-        max_tool_tokens=cfg.max_tool_tokens,
-    )  # fmt: skip
-    env = make_env()
-    prefix = env.prompt_prefix
+    env = cfg.task.env_factory(tokenizer, chat, max_turns=1)()
     rows = []
-    for demo in demonstrations(cfg, env):
-        seq = demo_to_sequence(demo, prefix, fmt, tokenizer)
+    for demo in cfg.task.module.demos(cfg.task.options, env, cfg.num_examples, cfg.seed):
+        seq = demo_to_sequence(demo, env.prompt_prefix, env.format, tokenizer)
         n = len(seq.input_ids)
         rows.append(
             Row(
@@ -177,6 +170,7 @@ def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any 
                 bar.update(task, advance=1, description=f"SFT epoch {epoch + 1}: loss {nll:.3f}")
     policy.eval()
     save_checkpoint(run_dir, step, {"policy": policy}, optimizer, scheduler, {"cursor": 0, "config": to_dict(cfg)})
-    export_policy(policy, tokenizer, run_dir / "policy")
+    info = policy_info(cfg.model, chat, cfg.task.to_raw(), step=step)
+    export_policy(policy, tokenizer, run_dir / "policy", info=info)
     console.print(f"SFT done: {len(rows)} demonstrations, final loss {history[-1]['loss']:.3f} -> {run_dir / 'policy'}")
     return history

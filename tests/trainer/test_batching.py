@@ -1,7 +1,9 @@
 """Micro-batches: packing and shared-prefix forwards give the same log-probs and gradients as
 running every row on its own."""
 
+import pytest
 import torch
+import transformers
 
 from agent_r1.trainer.batching import Row, pack, token_logprobs
 from tests.trainer.conftest import tiny_model
@@ -26,9 +28,9 @@ def rows():
     ]
 
 
-def reference(model, r):
-    """Per-row plain forward: log-prob of each token given its prefix, on the mask."""
-    logits = model(r.input_ids[None]).logits[0, :-1]
+def reference(model, r, temperature=1.0):
+    """Per-row plain forward: log-prob of each token given its prefix (from the model's own logits), on the mask."""
+    logits = model(r.input_ids[None]).logits[0, :-1].float() / temperature
     lp = torch.log_softmax(logits, -1).gather(-1, r.input_ids[1:, None]).squeeze(-1)
     return torch.cat([torch.zeros(1), lp]) * r.mask
 
@@ -105,3 +107,117 @@ def test_weighted_loss_temperature_and_entropy_metric_match_plain_autograd():
     got = grads_of(model, (logp * weights).sum())
     for name, g in ref_grads.items():
         assert torch.allclose(got[name], g, atol=1e-5), name
+
+
+def enable_checkpointing(model):
+    """transformers 5 renamed `gradient_checkpointing_enable` (now a deprecated alias)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_gradient_checkpointing_gives_the_same_logprobs_and_gradients_on_a_shared_prefix(lora):
+    """Checkpointing layers drop the KV cache while training, so the shared-prefix forward must not
+    be used then; the result must not change when checkpointing is switched on."""
+    data = rows()[:3]  # all share PREFIX
+    (mb,) = pack(data, max_tokens=1000)
+    assert mb.prefix_len == 40
+
+    def run(checkpointing):
+        model = tiny_model()
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            torch.manual_seed(1)  # init_lora_weights=False: random A and B, so every adapter weight has a gradient
+            config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+            model = get_peft_model(model, config)
+        if checkpointing:
+            enable_checkpointing(model)
+        model.train()
+        logp, _, _ = token_logprobs(model, mb)
+        model.zero_grad()
+        (-(logp * torch.linspace(-1.0, 2.0, len(logp))).sum()).backward()
+        return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    ref_lp, ref_grads = run(checkpointing=False)
+    lp, grads = run(checkpointing=True)
+    assert torch.allclose(lp, ref_lp, atol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        assert (grads[name] - g).norm() <= 1e-5 * g.norm() + 1e-12, name
+
+
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    initializer_range=0.2,  # logits of a few units, so that soft-capping and scaling change them
+)
+LOGIT_MODELS = {  # model class: config that changes the logits after the LM head
+    "Gemma2": lambda: transformers.Gemma2Config(**TINY, num_key_value_heads=2, head_dim=8, final_logit_softcapping=2.0),
+    "Granite": lambda: transformers.GraniteConfig(**TINY, num_key_value_heads=2, logits_scaling=4.0),
+    "Cohere": lambda: transformers.CohereConfig(**TINY, num_key_value_heads=2, logit_scale=3.0),
+    "MiniCPM3": lambda: transformers.MiniCPM3Config(  # logits_scaling = hidden_size / dim_model_base = 4
+        **TINY, dim_model_base=8, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8
+    ),
+}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("name", list(LOGIT_MODELS))
+def test_logprobs_follow_the_models_own_logit_processing(name, temperature):
+    """Soft-capping (Gemma 2), logit scaling (Granite, Cohere, MiniCPM3) are applied after the
+    projection, as in the model's forward: log-probs equal log_softmax(model(ids).logits / T)."""
+    if not hasattr(transformers, f"{name}ForCausalLM"):
+        pytest.skip(f"{name} is not in this transformers")
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{name}ForCausalLM")(LOGIT_MODELS[name]()).eval()
+    data = rows()
+    mbs = pack(data, max_tokens=1000)
+    assert any(mb.prefix_len for mb in mbs) and any(not mb.prefix_len for mb in mbs)  # both forward paths
+    for mb in mbs:
+        logp, _, _ = token_logprobs(model, mb, temperature)
+        start = 0
+        for n in mb.row_lens:
+            r = next(r for r in data if len(r.input_ids) == n)
+            assert torch.allclose(logp[start : start + n], reference(model, r, temperature), atol=1e-5), name
+            start += n
+    # the processing matters here: the bare projection gives different log-probs
+    r = data[0]
+    bare = model.get_output_embeddings()(model.get_decoder()(r.input_ids[None]).last_hidden_state)[0, :-1]
+    bare_lp = torch.log_softmax(bare.float() / temperature, -1).gather(-1, r.input_ids[1:, None]).squeeze(-1)
+    assert (bare_lp - reference(model, r, temperature)[1:]).mul(r.mask[1:]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize(("attr", "value"), [("output_logit_soft_cap", 30.0), ("logits_scaling", 2.0)])
+def test_an_unknown_logit_processing_is_refused_in_one_line(attr, value):
+    """A config attribute that changes the logits in some model's forward, on a model type whose use
+    of it is unknown, is refused before the forward runs rather than silently ignored."""
+    model = tiny_model()
+    setattr(model.config, attr, value)
+    (mb,) = pack(rows()[:1], max_tokens=1000)
+    with pytest.raises(ValueError, match=f"model type 'llama' sets {attr}=") as err:
+        token_logprobs(model, mb)
+    assert "\n" not in str(err.value)
+    setattr(model.config, attr, None)
+    token_logprobs(model, mb)  # unset: the plain path
+
+
+def test_the_shared_prefix_is_still_run_once_when_checkpointing_cannot_drop_the_cache(monkeypatch):
+    """Checkpointing only drops the cache while training: in eval mode (or with it off) the prefix is
+    still run once; while training with it on, the micro-batch is packed."""
+    import agent_r1.trainer.batching as batching
+
+    calls = []
+    for fn in ("_shared_forward", "_packed_forward"):
+        original = getattr(batching, fn)
+        monkeypatch.setattr(batching, fn, lambda m, mb, fn=fn, original=original: calls.append(fn) or original(m, mb))
+    (mb,) = pack(rows()[:3], max_tokens=1000)
+    model = tiny_model().train()
+    token_logprobs(model, mb)
+    enable_checkpointing(model)
+    token_logprobs(model.eval(), mb)
+    token_logprobs(model.train(), mb)
+    assert calls == ["_shared_forward", "_shared_forward", "_packed_forward"]

@@ -143,7 +143,7 @@ def test_run_directory_keeps_trajectories_curves_and_health(tmp_path, tokenizer)
 
 def scripted_validation(monkeypatch, accuracies: list[float], key: str = "accuracy") -> list[int]:
     """Run the real validation rollout, then report the next scripted value of `key`; returns the call log."""
-    import agent_r1.trainer.rl as rl
+    import agent_r1.trainer.validation as validation
     from agent_r1.evaluate import evaluate as real
 
     calls: list[int] = []
@@ -154,7 +154,7 @@ def scripted_validation(monkeypatch, accuracies: list[float], key: str = "accura
         calls.append(len(calls))
         return metrics | {key: accuracies[len(calls) - 1]}, trajs
 
-    monkeypatch.setattr(rl, "evaluate", evaluate)
+    monkeypatch.setattr(validation, "evaluate", evaluate)
     return calls
 
 
@@ -162,7 +162,7 @@ def val_config(tmp_path, *overrides: str):
     data = tmp_path / "val.jsonl"
     tasks = [{"question": "", "answer": 0, "ids": [20 + i, 50, 51]} for i in range(3)]
     data.write_text("".join(json.dumps(t) + "\n" for t in tasks))
-    return toy_config(tmp_path, "val.every=1", "val.num_tasks=3", f"val.data={data}", *overrides)
+    return toy_config(tmp_path, "val.every=1", "val.num_tasks=3", f"val.task.data={data}", *overrides)
 
 
 def test_validation_keeps_the_best_step_as_the_policy(tmp_path, tokenizer, monkeypatch):
@@ -205,7 +205,7 @@ def test_an_unknown_validation_metric_is_a_one_line_error(tmp_path, tokenizer):
 
 
 def test_validation_of_tasks_passed_in_needs_their_validation_file(tmp_path, tokenizer):
-    with pytest.raises(ValueError, match=r"give val\.data"):
+    with pytest.raises(ValueError, match=r"give val\.task\.data"):
         run(toy_config(tmp_path, "val.every=1"), tokenizer)
 
 

@@ -1,5 +1,5 @@
-from agent_r1.data.demos import gsm8k_demo
-from agent_r1.recipes import gsm8k
+from agent_r1.tasks import gsm8k
+from agent_r1.tasks.gsm8k import demo as gsm8k_demo
 
 
 def test_splits_are_disjoint_and_answers_parsed():

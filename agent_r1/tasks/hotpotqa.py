@@ -3,13 +3,15 @@
 Data: ../shared/data/hotpotqa/{train,dev}.jsonl (HotpotQA distractor, Hugging Face layout, CC BY-SA
 4.0); train.jsonl is the training split, dev.jsonl the held-out one. The retrieval corpus is every
 context paragraph of both files, pooled and de-duplicated by title (5,912 passages). Reward: Agent-R1's
-`qa_em_and_format` (min(format, 0.5) + answer; docs/rewards.md), with EM, F1, sub-EM and format logged.
+`qa_em_and_format` (min(format, 0.5) + answer; docs/algorithms.md), with EM, F1, sub-EM and format logged.
+The search index is built (or loaded from its disk cache) lazily, the first time an env needs it.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +21,30 @@ from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.env.tool_calls import extract_answer, format_tool_call, format_tool_responses
 from agent_r1.env.tool_env import ToolEnv, truncate_to_tokens
 from agent_r1.retrieval import Passage, Retriever, load_retriever, search_tool
+from agent_r1.retrieval.server import RemoteRetriever
 from agent_r1.rewards.qa import exact_match, f1_score, qa_em_and_format, qa_format_score, sub_exact_match
 from agent_r1.types import Message
 
 DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "hotpotqa"
+
+KIND_KEY = "type"  # eval reports accuracy per question type (bridge, comparison)
+
+
+@dataclass
+class Options:
+    data: str | None = None
+    """HotpotQA-layout jsonl used whole as the tasks (its paragraphs join the corpus); None = the bundled splits"""
+    retriever: str = "bm25"
+    """search index, bm25 or dense, or the URL of an `agent-r1 retrieval-server`"""
+    max_tool_tokens: int = 256
+    """each search result is cut to this many tokens"""
+
+    def __post_init__(self) -> None:
+        if self.max_tool_tokens < 1:
+            raise ValueError(f"task.max_tool_tokens must be >= 1, got {self.max_tool_tokens}")
+        if self.retriever not in ("bm25", "dense") and not self.retriever.startswith(("http://", "https://")):
+            raise ValueError(f"task.retriever must be bm25, dense or a retrieval-server URL, got {self.retriever!r}")
+
 
 INSTRUCTIONS = (
     "Answer the question. Search for the facts you need, one search per turn, as many times as needed. "
@@ -69,8 +91,6 @@ def retriever_for(kind: str = "bm25", extra: Sequence[str | Path] = ()) -> Retri
     """`bm25` or `dense` over the corpus (the shared files that exist + `extra` files), or the URL of
     an `agent-r1 retrieval-server` that many rollout workers share."""
     if kind.startswith(("http://", "https://")):
-        from agent_r1.retrieval.server import RemoteRetriever
-
         return RemoteRetriever(kind)
     paths = [p for p in (DATA_DIR / "train.jsonl", DATA_DIR / "dev.jsonl") if p.is_file()] + list(extra)
     return _cached_retriever(kind, tuple(str(p) for p in paths))
@@ -90,22 +110,34 @@ def reward(task: dict[str, Any], responses: list[str]) -> tuple[float, dict[str,
     return qa_em_and_format(responses, task["answer"]), parts
 
 
+def tasks(options: Options, split: Split, n: int, seed: int = 0) -> list[dict[str, Any]]:
+    return load(options.data, split=split, n=n)
+
+
+def retriever(options: Options) -> Retriever:
+    """The index the search tool uses (one per process, cached)."""
+    return retriever_for(options.retriever, extra=[options.data] if options.data else [])
+
+
 def make_env(
-    prompt_format: PromptFormat,
-    retriever: Retriever,
-    max_turns: int = 4,
-    max_tool_tokens: int = 256,
+    options: Options, prompt_format: PromptFormat, max_turns: int = 4, index: Retriever | None = None
 ) -> ToolEnv:
-    """A ToolEnv with `search`; each tool response is cut to `max_tool_tokens` tokens."""
+    """A ToolEnv with `search` (over `index`, default the options' retriever); each tool response is cut to
+    `options.max_tool_tokens` tokens."""
     return ToolEnv(
-        {"search": search_tool(retriever)},
+        {"search": search_tool(index or retriever(options))},
         prompt_format,
         reward,
         instructions=INSTRUCTIONS,
         max_turns=max_turns,
-        max_tool_tokens=max_tool_tokens,
+        max_tool_tokens=options.max_tool_tokens,
         reward_on="episode",
     )
+
+
+def demos(options: Options, env: ToolEnv, n: int, seed: int = 0) -> list[list[Message]]:
+    """Search demonstrations of the first `n` training questions (tool responses from `env`'s index)."""
+    return [demo(t, env) for t in load(options.data, n=n)]
 
 
 def demo(task: dict[str, Any], env: ToolEnv) -> list[Message]:

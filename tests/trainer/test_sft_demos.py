@@ -4,9 +4,11 @@ import json
 
 import pytest
 
-from agent_r1.data.demos import calculator_demo, demo_to_sequence, gsm8k_demo
 from agent_r1.env.prompt_format import ChatFormat
-from agent_r1.recipes import calculator
+from agent_r1.tasks import calculator
+from agent_r1.tasks.calculator import demo as calculator_demo
+from agent_r1.tasks.gsm8k import demo as gsm8k_demo
+from agent_r1.trainer.sft import demo_to_sequence
 
 NATALIA = (
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"

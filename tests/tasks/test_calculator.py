@@ -1,5 +1,5 @@
 from agent_r1.data import split_of
-from agent_r1.recipes import calculator as recipe
+from agent_r1.tasks import calculator as recipe
 from agent_r1.tools.calculator import evaluate
 
 

@@ -4,11 +4,12 @@ import pytest
 
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.env.tool_calls import parse_tool_calls
-from agent_r1.recipes import hotpotqa, tasks_and_env
 from agent_r1.retrieval import Passage, load_retriever
 from agent_r1.rollout.agent_loop import AgentEnvLoop
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
+from agent_r1.task import TaskSpec
+from agent_r1.tasks import hotpotqa
 
 pytestmark = pytest.mark.skipif(not hotpotqa.DATA_DIR.is_dir(), reason="needs ../shared/data/hotpotqa")
 
@@ -36,7 +37,11 @@ def test_demonstration_searches_the_question_then_the_missing_paragraph(tokenize
         Passage("Tinted Windows (album)", "Tinted Windows is the debut album of the band Tinted Windows. " * 20),
         Passage("Fountains of Wayne", "Fountains of Wayne was an American rock group from New Jersey. " * 20),
     ]  # the question's words only match the first paragraph: the second needs a search by its title
-    env = hotpotqa.make_env(ChatFormat(tokenizer), load_retriever(corpus, "bm25", cache=tmp_path), max_tool_tokens=32)
+    env = hotpotqa.make_env(
+        hotpotqa.Options(max_tool_tokens=32),
+        ChatFormat(tokenizer),
+        index=load_retriever(corpus, "bm25", cache=tmp_path),
+    )
     demo = hotpotqa.demo(task, env)
     assert [m["role"] for m in demo] == ["user", "assistant", "user", "assistant", "user", "assistant"]
     queries = [parse_tool_calls(m["content"])[0].arguments["query"] for m in demo[1:-1:2]]
@@ -49,7 +54,8 @@ def test_demonstration_searches_the_question_then_the_missing_paragraph(tokenize
 
 
 def test_tiny_model_rolls_out_in_the_search_env(tokenizer, tiny_model):
-    tasks, make_env = tasks_and_env("hotpotqa", ChatFormat(tokenizer), split="test", n=2, max_turns=2)
+    spec = TaskSpec("hotpotqa")
+    tasks, make_env = spec.tasks("test", 2), spec.env_factory(tokenizer, chat=True, max_turns=2)
     engine = LocalEngine(tiny_model, tokenizer, max_batch_size=8, seed=0)
     loop = AgentEnvLoop(engine, make_env, SamplingParams(max_new_tokens=8, temperature=1.0), seed=0)
     trajs = loop.run_sync(tasks, group_size=2)

@@ -1,4 +1,4 @@
-"""Calculator recipe: arithmetic word problems the model should solve by calling a calculator.
+"""Calculator task: arithmetic word problems the model should solve by calling a calculator.
 
 Numbers are 2–4 digits, large enough that a 135M model cannot do the arithmetic in its head, so the
 reward (exact numeric match of the final answer) rewards using the tool. Difficulty = number of
@@ -10,15 +10,37 @@ from __future__ import annotations
 
 import functools
 import random
+from dataclasses import dataclass
 from typing import Any
 
+from agent_r1.data import load_tasks
 from agent_r1.data.splits import Split, split_of
 from agent_r1.env.prompt_format import PromptFormat
-from agent_r1.env.tool_calls import extract_answer
+from agent_r1.env.tool_calls import extract_answer, format_tool_call, format_tool_responses
 from agent_r1.env.tool_env import ToolEnv
 from agent_r1.rewards import answer_format, numeric_match
 from agent_r1.tools import calculator
+from agent_r1.tools.calculator import evaluate, format_number
 from agent_r1.types import Message
+
+KIND_KEY = "ops"  # eval reports accuracy per number of operations
+
+
+@dataclass
+class Options:
+    ops: tuple[int, ...] = (1, 2)
+    """operations per generated problem (1-3), cycled"""
+    few_shot: bool = True
+    """show one worked tool-use episode before the question"""
+    format_weight: float = 0.0
+    """weight of the answer-format check added to the outcome reward"""
+    data: str | None = None
+    """jsonl of tasks (question, answer) instead of generated problems (used whole, for any split)"""
+
+    def __post_init__(self) -> None:
+        if not self.ops or any(o not in (1, 2, 3) for o in self.ops):
+            raise ValueError(f"task.ops must be operation counts in 1..3, got {self.ops}")
+
 
 INSTRUCTIONS = (
     "Solve the problem. Use the calculator for every computation, then give the final number inside <answer></answer>."
@@ -94,15 +116,49 @@ def reward(task: dict[str, Any], text: str, format_weight: float = 0.0) -> tuple
     return correct + format_weight * fmt, {"correct": correct, "format": fmt}
 
 
-def make_env(
-    prompt_format: PromptFormat, max_turns: int = 4, few_shot: bool = True, format_weight: float = 0.0
-) -> ToolEnv:
-    """A ToolEnv with the calculator, this recipe's instructions and reward."""
+def tasks(options: Options, split: Split, n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """The first `n` tasks of a split: generated problems, or the rows of `options.data`."""
+    if options.data:
+        return load_tasks(options.data)[:n]
+    return make_tasks(n, seed=seed, ops=options.ops, split=split)
+
+
+def make_env(options: Options, prompt_format: PromptFormat, max_turns: int = 4) -> ToolEnv:
+    """A ToolEnv with the calculator, this task's instructions and reward."""
     return ToolEnv(
         {"calculator": calculator},
         prompt_format,
-        functools.partial(reward, format_weight=format_weight),
+        functools.partial(reward, format_weight=options.format_weight),
         instructions=INSTRUCTIONS,
-        examples=EXAMPLE if few_shot else None,
+        examples=EXAMPLE if options.few_shot else None,
         max_turns=max_turns,
     )
+
+
+def demos(options: Options, env: ToolEnv, n: int, seed: int = 0) -> list[list[Message]]:
+    """`n` training problems, each solved with one calculator call of its whole expression."""
+    return [demo(t) for t in make_tasks(n, seed=seed, ops=options.ops)]
+
+
+def demo(task: dict[str, Any]) -> list[Message]:
+    """One problem as a demonstration: the call, the real calculator's answer, the final answer."""
+    result = calculator_result(task["solution"])
+    return [
+        {"role": "user", "content": task["question"]},
+        {"role": "assistant", "content": tool_call_text(task["solution"])},
+        {"role": "user", "content": format_tool_responses([result])},
+        {"role": "assistant", "content": f"<answer>{result}</answer>"},
+    ]
+
+
+def tool_call_text(expression: str) -> str:
+    """The hermes call the model is taught to write for one calculator computation."""
+    return format_tool_call("calculator", {"expression": expression})
+
+
+def calculator_result(expression: str) -> str:
+    """What the real calculator tool answers, so demonstrations match what rollouts will see."""
+    try:
+        return format_number(evaluate(expression))
+    except ValueError as exc:
+        return f"Error: {exc}"

@@ -1,0 +1,155 @@
+"""Tasks are plugins: one module (or object) brings the tasks, the env, the reward and its own options.
+
+A task provides, as attributes of a module (`task=my_pkg.my_task`, `task=path/to/file.py`) or of an
+object (`task=my_pkg.my_task:TASK`):
+
+    Options                                   a dataclass of the task's options, each with a docstring;
+                                              set as `task.KEY=VALUE` (unknown keys are errors)
+    tasks(options, split, n, seed)            the first `n` tasks (dicts) of split "train" | "val" | "test"
+    make_env(options, prompt_format, max_turns)   a fresh env for one episode; the reward lives in it
+    demos(options, env, n, seed)              optional: SFT demonstrations (chat messages, see trainer/sft.py)
+    KIND_KEY                                  optional: the task field that names a kind of problem, for
+                                              a per-kind accuracy in eval (the calculator's "ops")
+
+The built-in tasks live in `agent_r1/tasks/` and are found by name (`task=calculator`). Nothing in the
+library imports a task module: entry points resolve the name here, at run time, so adding a task is
+one file and no edit to `agent_r1/` (examples/ has one).
+
+`EnvFactory` is what the rollout loop calls per episode. It is a plain dataclass of picklable parts
+(task name, options, tokenizer, prompt kind, turn budget), so it can be shipped to another process
+(a Ray worker, a torchrun rank) and rebuilt there; heavy state such as a search index is created
+lazily by the task on first use, in the process that needs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent_r1.config import build
+from agent_r1.data import Split
+from agent_r1.env.base import Env
+from agent_r1.env.prompt_format import prompt_format_for
+
+BUILTIN_TASKS = ("calculator", "gsm8k", "hotpotqa")
+REQUIRED = ("Options", "tasks", "make_env")
+
+
+def load_task(name: str) -> Any:
+    """The task module or object named by a built-in name, an import path (`pkg.mod` or `pkg.mod:obj`)
+    or a .py file. A name that resolves to nothing usable is a one-line ValueError."""
+    target = f"agent_r1.tasks.{name}" if name in BUILTIN_TASKS else name
+    module_name, _, attr = target.partition(":")
+    try:
+        module = _load_file(Path(module_name)) if module_name.endswith(".py") else importlib.import_module(module_name)
+    except ImportError as exc:
+        missing = getattr(exc, "name", None)
+        if missing and not module_name.startswith(missing) and not module_name.endswith(".py"):
+            raise  # the task exists but imports something missing: show the real error
+        raise ValueError(
+            f"task {name!r} cannot be imported ({exc}); built-in tasks: {', '.join(BUILTIN_TASKS)}, "
+            "or give an import path such as my_pkg.my_task"
+        ) from None
+    task = getattr(module, attr) if attr else module
+    missing = [a for a in REQUIRED if not hasattr(task, a)]
+    if missing:
+        raise ValueError(f"task {name!r} lacks {', '.join(missing)} (a task provides {', '.join(REQUIRED)})")
+    if not dataclasses.is_dataclass(task.Options):
+        raise ValueError(f"task {name!r}: Options must be a dataclass")
+    return task
+
+
+def _load_file(path: Path) -> Any:
+    if not path.is_file():
+        raise ImportError(f"no file {path}")
+    module_name = f"agent_r1_task_{path.stem}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses (and pickle) look the module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class TaskSpec:
+    """A task and its options, as one config section: `task=NAME` plus `task.KEY=VALUE` for options."""
+
+    name: str = "calculator"
+    options: Any = None  # the task's Options instance (its defaults when None)
+
+    def __post_init__(self) -> None:
+        if self.options is None:
+            self.options = self.module.Options()
+
+    @property
+    def module(self) -> Any:
+        return load_task(self.name)
+
+    def with_options(self, changes: dict[str, Any], prefix: str = "task.") -> TaskSpec:
+        """The same task with some options replaced (validation's own `ops`, say), checked like config keys."""
+        raw = dataclasses.asdict(self.options) | changes
+        return TaskSpec(self.name, build(type(self.options), raw, prefix=prefix))
+
+    def tasks(self, split: Split, n: int, seed: int = 0) -> list[dict[str, Any]]:
+        """The first `n` tasks of one split."""
+        return self.module.tasks(self.options, split, n, seed)
+
+    def env_factory(self, tokenizer: Any, chat: bool, max_turns: int) -> EnvFactory:
+        return EnvFactory(self.name, self.options, tokenizer, chat, max_turns)
+
+    @property
+    def kind_key(self) -> str | None:
+        return getattr(self.module, "KIND_KEY", None)
+
+    # -- the config hooks agent_r1.config calls: `task: NAME` or `task: {name: NAME, KEY: VALUE}` ----------
+
+    @classmethod
+    def from_raw(cls, value: Any, key: str, default: TaskSpec, build: Any) -> TaskSpec:
+        """Build from YAML/overrides; options are checked against the task's Options by `build`."""
+        if isinstance(value, str):
+            value = {"name": value}
+        if not isinstance(value, dict):
+            raise ValueError(f"config key '{key}' must be a task name or a section, got {value!r}")
+        value = dict(value)
+        name = str(value.pop("name", default.name))
+        options_cls = load_task(name).Options
+        base = dataclasses.asdict(default.options) if name == default.name else {}
+        return cls(name, build(options_cls, base | value, prefix=f"{key}."))
+
+    def to_raw(self) -> dict[str, Any]:
+        return {"name": self.name, **dataclasses.asdict(self.options)}
+
+
+@dataclass(frozen=True)
+class EnvFactory:
+    """`make_env()` for the rollout loop: builds the task's env for one episode. Picklable."""
+
+    task: str
+    options: Any
+    tokenizer: Any
+    chat: bool
+    max_turns: int
+
+    def __call__(self) -> Env:
+        fmt = prompt_format_for(self.tokenizer, chat=self.chat)
+        return load_task(self.task).make_env(self.options, fmt, self.max_turns)
+
+
+def resolve_chat(prompt_format: str, tokenizer: Any, model_name: str | None = None) -> bool:
+    """Chat template or plain text: `chat`/`text` as asked; `auto` = what the model was trained with
+    (its agent_r1.json, when loaded by name), else whether its tokenizer has a chat template."""
+    if prompt_format != "auto":
+        return prompt_format == "chat"
+    if model_name is not None:
+        from agent_r1.models.loading import is_chat_model
+
+        return is_chat_model(model_name, tokenizer)
+    return bool(tokenizer.chat_template)

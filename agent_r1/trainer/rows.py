@@ -1,0 +1,98 @@
+"""A step's trajectories as training rows: merged once, with an index from rows back to steps.
+
+`build_rows` merges each trajectory's steps into rows (`rollout.merge`) and keeps both forms: the
+`TrainSequence`s that the trajectory records show, and the tensor `Row`s the update trains on. Step-level
+quantities (rewards, advantages, KL) move between the two through `RowIndex`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from agent_r1.algos.advantages import token_advantages
+from agent_r1.algos.losses import kl_penalty
+from agent_r1.observe.records import trajectory_records, write_records
+from agent_r1.rollout.merge import merge_trajectory
+from agent_r1.trainer.batching import Row, pack, token_logprobs
+from agent_r1.types import TrainSequence, Trajectory
+
+
+@dataclass
+class RowIndex:
+    """Where each trajectory's steps live among the rows (a trajectory may span several rows)."""
+
+    row_owner: list[int]  # per row: index of its trajectory
+    step_index: list[torch.Tensor]  # per row [T]: step that sampled the token, -1 elsewhere
+    step_tokens: list[torch.Tensor]  # per trajectory [K_i]: sampled tokens of each step
+
+
+def build_rows(
+    trajs: list[Trajectory], sequences: list[list[TrainSequence]] | None = None
+) -> tuple[list[Row], RowIndex]:
+    """Rows of every trajectory (from `sequences[i]`, its merged rows, when already merged), with one
+    segment id per step response (GSPO's sequences, the seq-mean aggregations)."""
+    sequences = sequences if sequences is not None else [merge_trajectory(t) for t in trajs]
+    rows, owners, step_idx = [], [], []
+    seg_base = 0
+    for ti, (t, seqs) in enumerate(zip(trajs, sequences, strict=True)):
+        for seq in seqs:
+            sidx = torch.tensor(seq.step_index)
+            rows.append(
+                Row(
+                    input_ids=torch.tensor(seq.input_ids),
+                    mask=torch.tensor(seq.loss_mask, dtype=torch.float32),
+                    old_logp=torch.tensor(seq.logprobs, dtype=torch.float32),
+                    adv=torch.zeros(len(seq.input_ids)),
+                    seg=torch.where(sidx >= 0, seg_base + sidx, -1),
+                )
+            )
+            owners.append(ti)
+            step_idx.append(sidx)
+        seg_base += len(t.steps)
+    step_tokens = [torch.tensor([len(s.response_ids) for s in t.steps], dtype=torch.float32) for t in trajs]
+    return rows, RowIndex(owners, step_idx, step_tokens)
+
+
+@torch.no_grad()
+def fill_ref_logprobs(ref: Callable, rows: list[Row], micro_batch_tokens: int, temperature: float) -> None:
+    """Reference-policy log-probs of the rows, batched like the update (shared prefixes once)."""
+    with ref() as model:
+        for mb in pack(rows, micro_batch_tokens):
+            logp = token_logprobs(model, mb, temperature)[0]
+            for row, part in zip(mb.rows, logp.split(mb.row_lens), strict=True):
+                row.ref_logp = part
+
+
+def step_kl(rows: list[Row], where: RowIndex, estimator: str) -> list[torch.Tensor]:
+    """Per trajectory [K_i]: the summed per-token KL estimate (rollout vs reference) of each step."""
+    out = [torch.zeros(len(t)) for t in where.step_tokens]
+    for row, ti, sidx in zip(rows, where.row_owner, where.step_index, strict=True):
+        kl = kl_penalty(row.old_logp, row.ref_logp, estimator) * row.mask  # [T]
+        sampled = sidx >= 0
+        out[ti].index_add_(0, sidx[sampled], kl[sampled].float())
+    return out
+
+
+def set_step_advantages(rows: list[Row], where: RowIndex, step_adv: list[torch.Tensor]) -> None:
+    """Broadcast per-step advantages [K_i] onto each row's sampled tokens."""
+    for row, ti, sidx in zip(rows, where.row_owner, where.step_index, strict=True):
+        row.adv = token_advantages([step_adv[ti]], sidx, torch.zeros_like(sidx)).float()
+
+
+def write_step_records(
+    path, trajs: list[Trajectory], sequences, kept: list[int], rows: list[Row], where: RowIndex, tokenizer, step: int
+) -> None:
+    """The step's trajectory records, each trained row with its advantages (and reference log-probs);
+    episodes left out of the update (errors) are recorded too, without advantages."""
+    advs: list[list | None] = [None] * len(trajs)
+    refs: list[list | None] = [None] * len(trajs)
+    for i in kept:
+        advs[i], refs[i] = [], []
+    for row, ti in zip(rows, where.row_owner, strict=True):
+        advs[kept[ti]].append(row.adv)
+        refs[kept[ti]].append(row.ref_logp)
+    records = trajectory_records(trajs, tokenizer, step=step, sequences=sequences, advantages=advs, ref_logprobs=refs)
+    write_records(path, records)

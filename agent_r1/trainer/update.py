@@ -1,0 +1,96 @@
+"""The policy (and value) update of one RL step: epochs x mini-batches x packed micro-batches.
+
+Each mini-batch is one optimizer step. Loss normalisers (token and sequence counts) are mini-batch
+totals, so summing the micro-batches' losses (gradient accumulation) equals the mini-batch loss in one
+piece. A non-finite loss or gradient skips the optimizer step: a NaN never reaches the weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from agent_r1.algos.losses import aggregate, gspo_policy_loss, kl_penalty, ppo_policy_loss, value_loss
+from agent_r1.trainer.batching import Row, pack, token_logprobs
+from agent_r1.trainer.config import TrainConfig
+from agent_r1.trainer.critic import Critic, value_mask
+
+
+def policy_update(
+    policy: torch.nn.Module,
+    critic: Critic | None,
+    rows: list[Row],
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    params: list[torch.nn.Parameter],
+    cfg: TrainConfig,
+    step: int,
+) -> dict[str, float]:
+    """Train on `rows`; returns the mean of every loss metric, grad norm, drift and counts."""
+    a, o = cfg.algo, cfg.optim
+    stats: dict[str, list[float]] = {}
+    skipped = train_tokens = updates = 0
+    if not rows:
+        return {"train_tokens": 0, "skipped_nonfinite": 0, "updates": 0}
+    policy.train()
+    norm_len = float(cfg.rollout.max_new_tokens)  # Dr.GRPO's constant: a "sequence" is one step's response
+    policy_loss_fn = gspo_policy_loss if a.policy_loss == "gspo" else ppo_policy_loss
+    drift: list[torch.Tensor] = []  # |trainer - rollout| log-prob of sampled tokens, before any update
+    for epoch in range(a.epochs):
+        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg.seed * 7919 + step * 31 + epoch))
+        for mini in order.chunk(a.mini_batches):
+            batch = [rows[i] for i in mini.tolist()]
+            n_tokens = float(sum(r.mask.sum() for r in batch))
+            n_seqs = float(sum(len(r.seg[r.mask.bool()].unique()) for r in batch))
+            if n_tokens == 0:
+                continue
+            agg = {"mode": a.loss_agg, "n_tokens": n_tokens, "n_seqs": n_seqs, "norm_len": norm_len}
+            optimizer.zero_grad(set_to_none=True)
+            finite = True
+            for mb in pack(batch, o.micro_batch_tokens):
+                logp, entropy, hidden = token_logprobs(
+                    policy, mb, cfg.rollout.temperature, entropy=True, entropy_grad=a.entropy_coef > 0,
+                    hidden=critic is not None and critic.shared,
+                )  # fmt: skip
+                loss, m = policy_loss_fn(
+                    logp, mb.old_logp, mb.adv, mb.mask, mb.seg, clip_low=a.clip_low, clip_high=a.clip_high,
+                    dual_clip=a.dual_clip, agg=a.loss_agg, n_tokens=n_tokens, n_seqs=n_seqs, norm_len=norm_len,
+                )  # fmt: skip
+                if a.kl_coef > 0 and a.kl_mode == "loss":
+                    kl_tok = kl_penalty(logp, mb.ref_logp, a.kl_estimator)  # [L]
+                    loss = loss + a.kl_coef * aggregate(kl_tok, mb.mask, mb.seg, **agg)
+                    m["kl"] = float((kl_tok.detach() * mb.mask).sum() / mb.mask.sum().clamp(min=1))
+                if a.entropy_coef > 0:
+                    loss = loss - a.entropy_coef * aggregate(entropy, mb.mask, mb.seg, **agg)
+                if critic is not None:  # value targets: every sampled token, or each step's first one
+                    vl, vm = value_loss(
+                        critic(mb, hidden), mb.old_values, mb.returns, value_mask(mb, a.gae_level), mb.seg,
+                        clip=a.value_clip, agg="token-mean", n_tokens=n_tokens if a.gae_level == "token" else n_seqs,
+                    )  # fmt: skip
+                    loss = loss + a.vf_coef * vl
+                    m |= vm | {"value_loss": vl.item()}
+                if updates == 0:  # weights are still the rollout's: any difference is drift, not learning
+                    drift.append((logp.detach() - mb.old_logp)[mb.mask > 0].abs())
+                if not torch.isfinite(loss):
+                    finite = False
+                    break
+                loss.backward()
+                train_tokens += mb.num_tokens
+                m["entropy"] = float((entropy.detach() * mb.mask).sum() / mb.mask.sum().clamp(min=1))
+                for k, v in m.items():
+                    stats.setdefault(k, []).append(float(v))
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, o.grad_clip) if finite else torch.tensor(math.nan)
+            if not finite or not torch.isfinite(grad_norm):
+                optimizer.zero_grad(set_to_none=True)  # never apply a NaN/inf update
+                skipped += 1
+                continue
+            optimizer.step()
+            scheduler.step()
+            updates += 1
+            stats.setdefault("grad_norm", []).append(float(grad_norm))
+    policy.eval()
+    out = {k: sum(v) / len(v) for k, v in stats.items() if v}
+    if drift and (d := torch.cat(drift)).numel():
+        out |= {"logprob_drift_mean": float(d.mean()), "logprob_drift_max": float(d.max())}
+    return out | {"train_tokens": train_tokens, "skipped_nonfinite": skipped, "updates": updates}
