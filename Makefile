@@ -26,13 +26,14 @@ browser:
 		|| echo "no Chromium: the trajectory viewer's browser test will be skipped"
 
 test: install browser
-	$(BIN)/ruff check agent_r1 tests benchmarks
-	$(BIN)/ruff format --check agent_r1 tests benchmarks
+	$(BIN)/ruff check agent_r1 tests benchmarks examples
+	$(BIN)/ruff format --check agent_r1 tests benchmarks examples
+	$(BIN)/lint-imports
 	$(BIN)/pytest -q
 
 lint: install
-	$(BIN)/ruff check --fix agent_r1 tests benchmarks
-	$(BIN)/ruff format agent_r1 tests benchmarks
+	$(BIN)/ruff check --fix agent_r1 tests benchmarks examples
+	$(BIN)/ruff format agent_r1 tests benchmarks examples
 
 bench: install
 	$(BIN)/python benchmarks/rollout.py

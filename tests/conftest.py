@@ -50,6 +50,17 @@ def engine(tiny_model, tokenizer):
     return LocalEngine(tiny_model, tokenizer, seed=0, max_context=1024)
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(tokenizer, tmp_path_factory):
+    """A tiny random Llama with the real tokenizer, saved as a Hugging Face directory (for the CLI)."""
+    out = tmp_path_factory.mktemp("tiny")
+    make_tiny_llama(len(tokenizer), hidden=32, eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id).save_pretrained(
+        out
+    )
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def recompute_logprobs(model, input_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
     """Log-prob of every token given its prefix, from one plain forward pass: [T-1]."""
     ids = torch.tensor([input_ids])

@@ -26,5 +26,64 @@ def test_hotpotqa_types_and_rewards_without_a_correct_part():
 
 
 def test_no_breakdown_unless_every_task_names_its_kind():
-    assert accuracy_by_kind([traj({"ops": 1}, 1.0, 1.0), traj({}, 1.0, 1.0)]) == {}
-    assert accuracy_by_kind([]) == {}
+    assert accuracy_by_kind([traj({"ops": 1}, 1.0, 1.0), traj({}, 1.0, 1.0)], "ops") == {}
+    assert accuracy_by_kind([traj({"ops": 1}, 1.0, 1.0)], None) == {}  # the task names no kind key
+    assert accuracy_by_kind([], "ops") == {}
+
+
+BROKEN_TASK = '''
+"""A task whose env fails on every episode (its data service is down, say)."""
+from dataclasses import dataclass
+
+
+@dataclass
+class Options:
+    pass
+
+
+def tasks(options, split, n, seed=0):
+    return [{"question": f"q{i}", "answer": i} for i in range(n)]
+
+
+class Down:
+    stop = ()
+
+    async def reset(self, task):
+        raise ConnectionError("the data service is down")
+
+
+def make_env(options, prompt_format, max_turns=4):
+    return Down()
+'''
+
+
+def test_eval_reports_errors_and_warns_when_they_dominate(tmp_path, tiny_model_dir, capsys):
+    from agent_r1.cli import main
+
+    task = tmp_path / "broken_task.py"
+    task.write_text(BROKEN_TASK)
+    assert main(["eval", f"model={tiny_model_dir}", f"task={task}", "num_tasks=3"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "episodes" in out and "errors" in out and "100%" in out  # the table's own columns
+    assert "warning: 100% of the episodes ended in an error" in out and "the data service is down" in out
+
+
+def test_gsm8k_in_its_published_format_evaluates(tmp_path, tiny_model_dir):
+    """`task.data=FILE` with answers ending in `#### 72` is read by the task's own loader: no episode errors."""
+    import json
+
+    from agent_r1.config import load_config
+    from agent_r1.evaluate import EvalConfig, run_eval
+
+    solution = "{n}+{n}=<<{n}+{n}={s}>>{s}\n#### {s:,}"  # GSM8K's layout, with a thousands separator
+    rows = [
+        {"question": f"Natalia sold {n} clips and then {n} more. How many?", "answer": solution.format(n=n, s=2 * n)}
+        for n in range(600, 640)
+    ]
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(EvalConfig, None, [f"model={tiny_model_dir}", "task=gsm8k", f"task.data={data}", "split=train",
+                                         "num_tasks=4", "max_new_tokens=4", "max_turns=1"])  # fmt: skip
+    metrics, trajs = run_eval(cfg)
+    assert metrics["errors"] == 0.0 and metrics["episodes"] == 4.0
+    assert all(t.error is None and t.task["answer"] == 2 * int(t.task["question"].split()[2]) for t in trajs)

@@ -16,7 +16,8 @@ def test_demo_pipeline_smoke(tmp_path, tokenizer):
         "demo", f"run_dir={run}", f"model={tmp_path / 'tiny'}",
         "eval.num_tasks=4", "eval.max_new_tokens=8", "eval.max_turns=2", "eval.task.few_shot=false",
         "sft.task.few_shot=false", "sft.num_examples=4", "sft.epochs=1", "sft.batch_size=2",
-        "rl.steps=2", "rl.save_every=1", "rl.task.few_shot=false", "rl.rollout.tasks_per_step=2", "rl.rollout.group_size=2",
+        "rl.steps=2", "rl.save_every=1", "rl.task.few_shot=false",
+        "rl.rollout.tasks_per_step=2", "rl.rollout.group_size=2",
         "rl.rollout.max_new_tokens=8", "rl.rollout.max_turns=2", "rl.val.every=1", "rl.val.num_tasks=2",
     ]  # fmt: skip
     assert main(args) == 0

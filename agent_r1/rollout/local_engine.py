@@ -15,6 +15,9 @@ Serving needs two more things from the decode loop, and gets them without a seco
 `generate(..., on_token=...)` reports every sampled token as it is decoded (for streaming), and a
 caller that is cancelled (a client that disconnected, a request that timed out) has its row dropped
 from the batch at the next token instead of decoding to the end for nobody.
+
+Weights change only between batches (`load_weights` and `generate_batch` share a lock), so every
+response is sampled from one version of the weights and no decode step sees half of an update.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ import asyncio
 import dataclasses
 import functools
 import random
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from agent_r1.rollout.engine import GenerateOutput, SamplingParams
+from agent_r1.rollout.engine import GenerateOutput, SamplingParams, alias_key, full_state_dict
 from agent_r1.rollout.kv_cache import BufferedCache
 
 TokenCallback = Callable[[int, int, float], None]  # (index of the prompt in its call, token id, log-prob)
@@ -69,6 +73,8 @@ class LocalEngine:
         self._seeds = random.Random(seed)
         self._pending: dict[SamplingParams, list[_Request]] = {}
         self._worker: asyncio.Task | None = None
+        self.weights_version = 0  # bumped by every load_weights
+        self._weights_lock = threading.Lock()  # held by a whole batch's decode and by a weight update
 
     async def generate(
         self, prompts: list[list[int]], params: SamplingParams, on_token: TokenCallback | None = None
@@ -120,15 +126,53 @@ class LocalEngine:
                 if not r.future.done():
                     r.future.set_result(out)
 
-    @torch.inference_mode()
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Sample from `model`'s current weights: nothing to do when it is the engine's own model (the
+        trainer and the engine share one object); otherwise its weights (LoRA merged) are copied in."""
+        if model is not self.model:
+            self.load_weights(full_state_dict(model))
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int | None = None) -> int:
+        """Copy `tensors` into the model's weights in place, between two batches; returns their number.
+
+        Strict, like `load_state_dict`: every name must be a tensor of the model's state dict with the
+        same shape, and every tensor of the model must be given (tied weights under any of their names).
+        All of it is checked before anything is copied, so refused weights (a one-line ValueError
+        naming the tensor) leave the model as it was. `weights_version` becomes `version`, by default
+        the previous one + 1.
+        """
+        target = self.model.state_dict()  # detached views of the parameters: copying into them updates them
+        for name, t in tensors.items():
+            if name not in target:
+                raise ValueError(f"unknown tensor {name!r}: the served model has no such weight")
+            if t.shape != target[name].shape:
+                shapes = f"{list(t.shape)} but the served model's is {list(target[name].shape)}"
+                raise ValueError(f"tensor {name!r} has shape {shapes}")
+        given = {alias_key(target[name]) for name in tensors}
+        if missing := next((n for n, t in target.items() if alias_key(t) not in given), None):
+            raise ValueError(f"missing tensor {missing!r}: the weights must cover the whole model")
+        with self._weights_lock, torch.no_grad():
+            for name, t in tensors.items():
+                target[name].copy_(t)
+            self.weights_version = self.weights_version + 1 if version is None else version
+        return len(tensors)
+
     def generate_batch(
         self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], on_token: RowHook | None = None
     ) -> list[GenerateOutput]:
-        """Synchronously sample one response per prompt (the decode loop; shapes in comments).
+        """Synchronously sample one response per prompt, all from the same weights.
 
         `on_token(row, token, logprob)` sees every sampled token; returning False aborts that row
         (finish_reason "abort"), which leaves the batch and the KV cache like a finished row.
         """
+        with self._weights_lock:
+            return self._decode(prompts, params, seeds, on_token)
+
+    @torch.inference_mode()
+    def _decode(
+        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], on_token: RowHook | None
+    ) -> list[GenerateOutput]:
+        """The decode loop of `generate_batch` (shapes in comments)."""
         B = len(prompts)
         if min(len(p) for p in prompts) == 0:
             raise ValueError("cannot generate from an empty prompt")

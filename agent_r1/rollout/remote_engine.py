@@ -12,16 +12,25 @@ does), so the server batches them and a group of identical prompts still gets di
 Log-probs: `agent-r1 serve` returns log-softmax(logits / temperature), the quantity the trainer
 recomputes. vLLM returns the raw model's by default; start it with `--logprobs-mode processed_logprobs`
 to get the same quantity.
+
+Weight sync (`agent-r1 serve` only): `sync_weights(model)` writes the model's full weights (LoRA
+merged) to `<sync_dir>/weights.safetensors` and has the server load them through `/v1/load_weights`.
+`sync_dir` must be on a filesystem the server reads, under the same path.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import os
+import tempfile
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from agent_r1.rollout.engine import GenerateOutput, SamplingParams
+from agent_r1.rollout.engine import GenerateOutput, SamplingParams, alias_key, full_state_dict
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RemoteEngineError(RuntimeError):
@@ -40,9 +49,11 @@ class RemoteEngine:
         timeout: float = 600.0,
         max_connections: int = 256,
         api_key: str | None = None,
+        sync_dir: str | None = None,
     ) -> None:
         """`base_url` is the server root or its /v1. Without `model` or `max_context`, they are read
-        from `/v1/models` once, now (vLLM and agent-r1 serve report `max_model_len`)."""
+        from `/v1/models` once, now (vLLM and agent-r1 serve report `max_model_len`). `sync_dir` is
+        where `sync_weights` writes the weights for the server to read."""
         self.base_url = base_url.rstrip("/").removesuffix("/v1") + "/v1"
         self.timeout = timeout
         self.limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
@@ -56,11 +67,42 @@ class RemoteEngine:
             raise ValueError(f"{self.base_url}/models reports no max_model_len: pass max_context")
         self.model = model
         self.max_context = max_context
+        self.sync_dir = sync_dir
+        self.weights_version = 0  # the version of the last weights the server accepted from this engine
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerateOutput]:
         """Sample one response per prompt; requests go out together, so the server can batch them."""
         client = self._client()
         return list(await asyncio.gather(*(self._one(client, p, params, i) for i, p in enumerate(prompts))))
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Have the server sample from `model`'s current weights (called after every optimizer step).
+
+        Writes them (LoRA merged, under the plain model's names) to `<sync_dir>/weights.safetensors`
+        through a temporary file and a rename, so the server never reads a half-written file, then
+        POSTs its path to `/v1/load_weights` with the next version. Tied weights are written once."""
+        if self.sync_dir is None:
+            raise ValueError("weight sync needs sync_dir: a directory the server can read (RemoteEngine(sync_dir=...))")
+        from safetensors.torch import save_file
+
+        os.makedirs(self.sync_dir, exist_ok=True)
+        path = os.path.join(os.path.abspath(self.sync_dir), "weights.safetensors")
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".weights-", suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file(_unaliased(full_state_dict(model)), tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        body = {"path": path, "version": self.weights_version + 1}
+        try:
+            r = httpx.post(f"{self.base_url}/load_weights", json=body, timeout=self.timeout, headers=self.headers)
+        except httpx.HTTPError as exc:
+            raise RemoteEngineError(f"{self.base_url}: {type(exc).__name__}: {exc}") from exc
+        if r.status_code != 200:
+            raise RemoteEngineError(f"{self.base_url} refused the weights ({r.status_code}): {_error_message(r)}")
+        self.weights_version = int(r.json()["version"])
 
     async def aclose(self) -> None:
         """Close this event loop's connection pool."""
@@ -141,6 +183,18 @@ def parse_choice(choice: dict[str, Any], prompt_len: int) -> GenerateOutput:
     else:
         raise RemoteEngineError(f"unexpected finish_reason {finish!r}")
     return GenerateOutput(list(ids), token_logprobs, choice.get("text", ""), reason, prompt_len)
+
+
+def _unaliased(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors with each memory once (safetensors refuses shared tensors): a tied weight
+    such as lm_head.weight = embed_tokens.weight keeps its first name; the server fills in the other."""
+    out: dict[str, torch.Tensor] = {}
+    seen = set()
+    for name, t in state.items():
+        if (key := alias_key(t)) not in seen:
+            seen.add(key)
+            out[name] = t.detach().contiguous()
+    return out
 
 
 def _error_message(r: httpx.Response) -> str:

@@ -5,6 +5,8 @@
   calls as OpenAI `tool_calls`. `stream=true` sends server-sent events.
 * `/v1/completions` takes token ids and returns token ids and log-probs (vLLM's field names), so
   `RemoteEngine` can drive it exactly like vLLM.
+* `/v1/load_weights` swaps in new weights from a safetensors file between two batches (the engine's
+  weight lock), so a trainer pushes its policy after every optimizer step (`RemoteEngine.sync_weights`).
 
 Every request goes through the engine's queue, so concurrent requests are decoded as one batch. Each
 has a deadline, and a client that goes away (or times out) cancels its generation: the engine drops
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -43,7 +46,14 @@ from agent_r1.env.tool_calls import (
 from agent_r1.rollout.engine import GenerateOutput, SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.text_stream import TextStream, visible_prefix
-from agent_r1.serve.schema import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, ToolSpec
+from agent_r1.serve.schema import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    LoadWeightsRequest,
+    ToolSpec,
+)
 from agent_r1.tools import Tool
 from agent_r1.types import Message
 
@@ -86,6 +96,7 @@ def create_app(served: ServedModel) -> FastAPI:
     app.get("/v1/models")(api.models)
     app.post("/v1/chat/completions")(api.chat)
     app.post("/v1/completions")(api.completions)
+    app.post("/v1/load_weights")(api.load_weights)
     return app
 
 
@@ -93,12 +104,14 @@ class _API:
     def __init__(self, served: ServedModel) -> None:
         self.s = served
         self.eos_ids = served.engine.eos_ids
+        self._loading = asyncio.Lock()  # one weight load at a time: one extra copy of the weights in memory
 
     # --- endpoints -----------------------------------------------------------------------------------
     async def models(self) -> dict[str, Any]:
         s = self.s
         card = {"id": s.name, "object": "model", "created": s.created, "owned_by": "agent-r1"}
-        return {"object": "list", "data": [card | {"max_model_len": s.engine.max_context}]}
+        extra = {"max_model_len": s.engine.max_context, "weights_version": s.engine.weights_version}
+        return {"object": "list", "data": [card | extra]}
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
         self._check_model(body.model)
@@ -145,6 +158,17 @@ class _API:
         outs = await self._generate(request, rows, params)
         choices = [self._completion_choice(k, p, o, body) for k, (p, o) in enumerate(zip(rows, outs, strict=True))]
         return head | {"object": "text_completion", "choices": choices, "usage": _usage(rows, outs)}
+
+    async def load_weights(self, body: LoadWeightsRequest) -> dict[str, Any]:
+        """Read the file, then copy it in between two batches: a 400 names the first bad tensor, and
+        refused weights leave the served ones untouched."""
+        async with self._loading:
+            tensors = await asyncio.to_thread(_read_safetensors, body.path)
+            try:
+                loaded = await asyncio.to_thread(self.s.engine.load_weights, tensors, body.version)
+            except ValueError as exc:
+                raise APIError(400, f"{body.path}: {exc}", param="path") from None
+            return {"loaded": loaded, "version": self.s.engine.weights_version}
 
     # --- validation ----------------------------------------------------------------------------------
     def _check_model(self, model: str) -> None:
@@ -368,6 +392,19 @@ def _finish(out: GenerateOutput, stops: tuple[str, ...]) -> tuple[str, str | Non
         found = [(out.text.find(s), s) for s in stops if s in out.text]
         return "stop", min(found)[1] if found else None
     return "stop", None
+
+
+def _read_safetensors(path: str) -> dict:
+    """The tensors of a safetensors file, or a 400 saying why not."""
+    from safetensors.torch import load_file
+
+    if not os.path.isfile(path):
+        raise APIError(400, f"no weights file at {path!r}", param="path")
+    try:
+        return load_file(path)
+    except Exception as exc:  # not safetensors, truncated, unreadable
+        message = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise APIError(400, f"cannot read {path!r} as safetensors: {message}", param="path") from None
 
 
 def _usage(prompts: list[list[int]], outs: list[GenerateOutput]) -> dict[str, int]:

@@ -92,3 +92,12 @@ class CompletionRequest(_Request):
     echo: Literal[False] = False
     return_tokens_as_token_ids: bool = False  # vLLM: logprobs.tokens as "token_id:N"
     include_stop_str_in_output: bool = False  # vLLM: keep the stop string at the end of the text
+
+
+class LoadWeightsRequest(BaseModel):
+    """`/v1/load_weights`: new weights for the served model, from a file on a filesystem it shares."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    path: str = Field(min_length=1)  # a .safetensors file holding every weight (tied ones under one name)
+    version: int | None = Field(None, ge=0)  # reported by /v1/models as weights_version; None = previous + 1

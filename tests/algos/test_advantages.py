@@ -150,6 +150,25 @@ def test_gae_token_level_with_rewards_on_last_token():
     close(rewards_on_last_token([T(1.0, 2.0, 4.0)], [torch.tensor([2, 0, 1])]), [[0.0, 3.0, 4.0]])
 
 
+def test_token_level_gae_discounts_per_step_not_per_token():
+    """gamma and lam apply at step boundaries only: token-level GAE with constant values within a step
+    gives each token of a step the step-level advantage (gamma = 0.9, lam = 0.8 mean the same in both)."""
+    gamma, lam = 0.9, 0.8
+    # step 0 has 2 tokens, step 1 has 1; rewards [0, 1] on the steps' last tokens; V = [0.5, 0.5, 0.4]
+    # t2 (step 1, last): delta = 1 - 0.4 = 0.6, A = 0.6
+    # t1 (end of step 0): delta = 0 + 0.9*0.4 - 0.5 = -0.14, A = -0.14 + 0.72*0.6 = 0.292
+    # t0 (inside step 0): g = l = 1: delta = 0 + 0.5 - 0.5 = 0, A = 0 + 0.292 = 0.292
+    ends = [torch.tensor([False, True, True])]
+    adv, ret = gae([T(0.0, 0.0, 1.0)], [T(0.5, 0.5, 0.4)], gamma, lam, step_ends=ends)
+    close(adv, [[0.292, 0.292, 0.6]])
+    close(ret, [[0.792, 0.792, 1.0]])
+    step_adv, _ = gae([T(0.0, 1.0)], [T(0.5, 0.4)], gamma, lam)  # the same episode at step level
+    close(step_adv, [[0.292, 0.6]])
+    # per-token discounting (the old behaviour) would have given t0 = 0.9*0.5 - 0.5 + 0.72*0.292 != 0.292
+    per_token, _ = gae([T(0.0, 0.0, 1.0)], [T(0.5, 0.5, 0.4)], gamma, lam)
+    assert abs(float(per_token[0][0]) - 0.292) > 1e-3
+
+
 def test_normalize_process_rewards():
     # traj0 p = [0.5, -1, 0.2]: c = [-0.3, -0.8, 0.2] ; traj1 p = [2, 1]: c = [3, 1] ; scale = 3
     got = normalize_process_rewards([T(0.5, -1.0, 0.2), T(2.0, 1.0)])

@@ -1,25 +1,30 @@
-"""RemoteEngine against a real `agent-r1 serve` process on loopback: the same rollouts as LocalEngine."""
+"""RemoteEngine against a real `agent-r1 serve` process on loopback: the same rollouts as LocalEngine.
+Weight sync: after `sync_weights(model)` the server (and a LocalEngine) samples exactly what `model` does."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 import subprocess
 import sys
 import tempfile
 
+import httpx
 import pytest
 import torch
+from safetensors import safe_open
 
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.env.tool_env import ToolEnv
 from agent_r1.models import load_model
 from agent_r1.rollout.agent_loop import AgentEnvLoop
-from agent_r1.rollout.engine import SamplingParams
+from agent_r1.rollout.engine import SamplingParams, full_state_dict
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.remote_engine import RemoteEngine, RemoteEngineError, parse_choice
+from agent_r1.serve import ServedModel, create_app
 from agent_r1.tools import calculator
-from tests.conftest import TOOL_QUESTION, recompute_logprobs
+from tests.conftest import TOOL_QUESTION, make_tiny_llama, recompute_logprobs, serving
 
 TASKS = [{"question": TOOL_QUESTION}, {"question": "What is 2 + 2?"}, {"question": "Hi"}]
 
@@ -101,3 +106,130 @@ def test_parse_choice_reads_vllm_shapes():
     assert parse_choice(stopped | {"finish_reason": "length"}, 1).finish_reason == "length"
     with pytest.raises(RemoteEngineError, match="1 token ids but 0 log-probs"):
         parse_choice(stopped | {"logprobs": None}, 1)
+
+
+# --- weight sync --------------------------------------------------------------------------------------
+
+
+def tiny(tokenizer, seed: int, hidden: int = 64):
+    """A tiny Llama with a random final norm gain: with tied embeddings and unit gains, a random tiny
+    Llama greedily repeats the prompt's last token whatever its seed, so two seeds would agree."""
+    model = make_tiny_llama(
+        len(tokenizer), hidden=hidden, eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id, seed=seed
+    )
+    with torch.no_grad():
+        model.model.norm.weight.normal_(0.0, 3.0)
+    return model
+
+
+def tiny_lora(tokenizer, seed: int):
+    """A tiny Llama wrapped in peft LoRA whose adapters really change it (lora_B is random, not 0)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny(tokenizer, seed), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"]))
+    torch.manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def greedy(engine, prompt: list[int], n: int = 8):
+    (out,) = asyncio.run(engine.generate([prompt], SamplingParams(max_new_tokens=n, temperature=0.0)))
+    return out
+
+
+@pytest.fixture
+def tiny_server(tokenizer):
+    """`agent-r1 serve`'s app on loopback (uvicorn in a thread) serving tiny model A: (url, its engine)."""
+    engine = LocalEngine(tiny(tokenizer, seed=0), tokenizer, max_context=1024)
+    with serving(create_app(ServedModel(engine, tokenizer, ChatFormat(tokenizer), "tiny-a"))) as url:
+        yield url, engine
+
+
+@pytest.fixture
+def prompt(tokenizer):
+    return tokenizer.encode("Once upon a time, in a land far away")
+
+
+def test_sync_weights_makes_the_server_sample_from_the_trainers_model(tiny_server, tokenizer, prompt, tmp_path):
+    url, served = tiny_server
+    model_b = tiny(tokenizer, seed=5)
+    want = greedy(LocalEngine(model_b, tokenizer), prompt)
+    remote = RemoteEngine(url, sync_dir=str(tmp_path))
+    assert greedy(remote, prompt).token_ids != want.token_ids  # A and B really differ
+    remote.sync_weights(model_b)
+    got = greedy(remote, prompt)
+    assert got.token_ids == want.token_ids
+    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    assert httpx.get(f"{url}/v1/models").json()["data"][0]["weights_version"] == remote.weights_version == 1
+    # written through a rename; the tied lm_head is stored once and stays tied on the server
+    assert os.listdir(tmp_path) == ["weights.safetensors"]
+    with safe_open(tmp_path / "weights.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    assert served.model.lm_head.weight.data_ptr() == served.model.model.embed_tokens.weight.data_ptr()
+    remote.sync_weights(model_b)
+    assert httpx.get(f"{url}/v1/models").json()["data"][0]["weights_version"] == 2
+
+
+def test_sync_weights_of_a_lora_model_serves_the_merged_policy(tiny_server, tokenizer, prompt, tmp_path):
+    url, _ = tiny_server
+    policy = tiny_lora(tokenizer, seed=7)
+    local = LocalEngine(policy, tokenizer)
+    want = greedy(local, prompt)
+    with policy.disable_adapter():
+        assert greedy(local, prompt).token_ids != want.token_ids  # the adapters matter
+    remote = RemoteEngine(url, sync_dir=str(tmp_path))
+    remote.sync_weights(policy)
+    got = greedy(remote, prompt)
+    assert got.token_ids == want.token_ids
+    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)  # merged vs unmerged: fp32 rounding
+
+
+def test_full_state_dict_of_a_lora_model_is_merge_and_unload_bit_for_bit(tokenizer):
+    policy = tiny_lora(tokenizer, seed=7)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    got = full_state_dict(policy)
+    want = copy.deepcopy(policy).merge_and_unload().state_dict()
+    assert list(got) == list(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert got["lm_head.weight"].data_ptr() == got["model.embed_tokens.weight"].data_ptr()  # still tied
+    after = policy.state_dict()  # the trainer's model is untouched: same weights, nothing left merged
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not any(getattr(m, "merged", False) for m in policy.modules())
+
+
+def test_sync_weights_errors_name_the_problem(tiny_server, tokenizer, tmp_path):
+    url, _ = tiny_server
+    with pytest.raises(ValueError, match="weight sync needs sync_dir"):
+        RemoteEngine(url).sync_weights(tiny(tokenizer, seed=5))
+    narrow = tiny(tokenizer, seed=5, hidden=32)
+    engine = RemoteEngine(url, sync_dir=str(tmp_path))
+    refused = r"refused the weights \(400\): .*tensor 'model.embed_tokens.weight' has shape \[49152, 32\]"
+    with pytest.raises(RemoteEngineError, match=refused):
+        engine.sync_weights(narrow)
+    assert engine.weights_version == 0
+    assert len(greedy(engine, tokenizer.encode("Still there?")).token_ids) == 8  # the server keeps serving
+
+
+def test_local_engine_sync_weights(tokenizer, prompt):
+    model = tiny(tokenizer, seed=0)
+    engine = LocalEngine(model, tokenizer)
+    params = list(model.parameters())
+    before = [p.detach().clone() for p in params]
+    engine.sync_weights(model)  # the trainer's own model: nothing to do
+    assert all(p is q and torch.equal(p, b) for p, q, b in zip(model.parameters(), params, before, strict=True))
+    assert engine.weights_version == 0
+
+    other = tiny(tokenizer, seed=5)
+    want = greedy(LocalEngine(other, tokenizer), prompt)
+    assert greedy(engine, prompt).token_ids != want.token_ids
+    engine.sync_weights(other)
+    assert all(p is q for p, q in zip(model.parameters(), params, strict=True))  # copied in place
+    assert greedy(engine, prompt).token_ids == want.token_ids
+
+    policy = tiny_lora(tokenizer, seed=7)  # a LoRA policy into an engine serving the plain model: merged
+    engine.sync_weights(policy)
+    assert greedy(engine, prompt).token_ids == greedy(LocalEngine(policy, tokenizer), prompt).token_ids

@@ -7,6 +7,8 @@ import json
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from agent_r1.env.prompt_format import ChatFormat
@@ -14,7 +16,7 @@ from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.serve import ServedModel, create_app
 from agent_r1.tools import calculator
-from tests.conftest import TOOL_ANSWER, TOOL_QUESTION, serving
+from tests.conftest import TOOL_ANSWER, TOOL_QUESTION, make_tiny_llama, serving
 
 NAME = "tool-model"
 
@@ -229,3 +231,117 @@ def test_client_disconnect_mid_stream_stops_generation(served, tokenizer):
                 break
             asyncio.run(asyncio.sleep(0.01))
     assert batches and batches[0][1] == ["abort"]
+
+
+# --- /v1/load_weights -----------------------------------------------------------------------------------
+
+
+def tiny(tokenizer, seed: int):
+    """A tiny Llama whose final norm gain is random, so that two seeds greedily decode different tokens."""
+    model = make_tiny_llama(len(tokenizer), eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id, seed=seed)
+    with torch.no_grad():
+        model.model.norm.weight.normal_(0.0, 3.0)
+    return model
+
+
+@pytest.fixture
+def tiny_served(tokenizer):
+    engine = LocalEngine(tiny(tokenizer, seed=3), tokenizer, max_context=256, seed=0)
+    return ServedModel(engine, tokenizer, ChatFormat(tokenizer), NAME, request_timeout=60.0)
+
+
+@pytest.fixture
+async def tiny_client(tiny_served):
+    transport = httpx.ASGITransport(app=create_app(tiny_served))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        yield c
+
+
+def weights_file(path, model, drop=(), **replace) -> str:
+    """`model`'s weights as safetensors, the tied lm_head written once (as RemoteEngine writes them)."""
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight" and k not in drop}
+    save_file(state | {k.replace("__", "."): v for k, v in replace.items()}, str(path))
+    return str(path)
+
+
+async def greedy_ids(client, prompt: list[int], max_tokens: int = 8) -> list[int]:
+    body = {"model": NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+    r = await client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+async def weights_version(client) -> int:
+    return (await client.get("/v1/models")).json()["data"][0]["weights_version"]
+
+
+async def test_load_weights_swaps_the_served_model(tiny_client, tokenizer, tmp_path):
+    other = tiny(tokenizer, seed=4)
+    prompt = tokenizer.encode("Hello there, how are")
+    (want,) = await LocalEngine(other, tokenizer).generate([prompt], SamplingParams(max_new_tokens=8, temperature=0))
+    before = await greedy_ids(tiny_client, prompt)
+    assert before != want.token_ids and await weights_version(tiny_client) == 0
+    path = weights_file(tmp_path / "w.safetensors", other)
+    r = await tiny_client.post("/v1/load_weights", json={"path": path, "version": 7})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"loaded": len(other.state_dict()) - 1, "version": 7}
+    assert await greedy_ids(tiny_client, prompt) == want.token_ids
+    assert await weights_version(tiny_client) == 7
+    r = await tiny_client.post("/v1/load_weights", json={"path": path})  # no version: the previous + 1
+    assert r.json()["version"] == 8 and await weights_version(tiny_client) == 8
+
+
+async def test_load_weights_waits_for_the_batch_being_decoded(tiny_client, tiny_served, tokenizer, tmp_path):
+    """A response is sampled from one version of the weights: the update lands between batches."""
+    prompt = tokenizer.encode("Hello there, how are")
+    params = SamplingParams(max_new_tokens=120, temperature=0)
+    (old,) = await tiny_served.engine.generate([prompt], params)
+    path = weights_file(tmp_path / "w.safetensors", tiny(tokenizer, seed=4))
+    decoding = asyncio.ensure_future(greedy_ids(tiny_client, prompt, max_tokens=120))
+    while not tiny_served.engine._weights_lock.locked():  # the batch is decoding
+        await asyncio.sleep(0.001)
+    load = await tiny_client.post("/v1/load_weights", json={"path": path})
+    assert load.status_code == 200
+    assert await decoding == old.token_ids  # all 120 tokens from the old weights: the load waited
+    assert await greedy_ids(tiny_client, prompt) != old.token_ids[:8]
+
+
+def junk(path) -> str:
+    path.write_bytes(b"not a safetensors file")
+    return str(path)
+
+
+BAD_WEIGHTS = [  # (a function of (tmp dir, a good model) giving the path to post, the expected message)
+    pytest.param(lambda p, m: str(p / "nowhere.safetensors"), "no weights file at", id="missing file"),
+    pytest.param(lambda p, m: junk(p / "x.safetensors"), "cannot read", id="not safetensors"),
+    pytest.param(
+        lambda p, m: weights_file(p / "x.safetensors", m, model__extra__weight=torch.zeros(2)),
+        "unknown tensor 'model.extra.weight'", id="unknown tensor",
+    ),
+    pytest.param(
+        lambda p, m: weights_file(p / "x.safetensors", m, model__norm__weight=torch.zeros(3)),
+        "tensor 'model.norm.weight' has shape [3] but the served model's is [64]", id="wrong shape",
+    ),
+    pytest.param(
+        lambda p, m: weights_file(p / "x.safetensors", m, drop=("model.norm.weight",)),
+        "missing tensor 'model.norm.weight'", id="missing tensor",
+    ),
+    pytest.param(None, "path: Field required", id="no path"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("make", "message"), BAD_WEIGHTS)
+async def test_bad_weights_are_a_400_and_the_served_weights_stay(
+    tiny_client, tiny_served, tokenizer, tmp_path, make, message
+):
+    model = tiny_served.engine.model
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    prompt = tokenizer.encode("Hello there")
+    served_ids = await greedy_ids(tiny_client, prompt)
+    r = await tiny_client.post("/v1/load_weights", json={"path": make(tmp_path, tiny(tokenizer, 4))} if make else {})
+    assert r.status_code == 400
+    error = r.json()["error"]["message"]
+    assert message in error and "\n" not in error
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # nothing half-loaded
+    assert await weights_version(tiny_client) == 0
+    assert await greedy_ids(tiny_client, prompt) == served_ids  # still serving, the same weights

@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 
 from agent_r1.trainer.checkpoint import latest_checkpoint
 from agent_r1.trainer.rl import train
+from agent_r1.types import Observation
 from tests.trainer.conftest import TASKS, LowIdEnv, tiny_model, toy_config
 
 
@@ -159,6 +160,7 @@ def scripted_validation(monkeypatch, accuracies: list[float], key: str = "accura
 
 
 def val_config(tmp_path, *overrides: str):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     data = tmp_path / "val.jsonl"
     tasks = [{"question": "", "answer": 0, "ids": [20 + i, 50, 51]} for i in range(3)]
     data.write_text("".join(json.dumps(t) + "\n" for t in tasks))
@@ -242,3 +244,151 @@ def test_reference_scores_only_the_rows_the_update_trains_on(tmp_path, tokenizer
         assert all((row["ref_logprobs"] is None) == const for row in r["rows"])
     groups = {r["group_id"]: const for r, const in zip(records, constant, strict=True)}
     assert hist[0]["zero_variance_groups"] >= sum(groups.values()) / len(groups) and hist[0]["kl"] >= 0.0
+
+
+# --- the defects of the first edition, each with the case that broke it ---------------------------------
+
+
+class SometimesBrokenEnv(LowIdEnv):
+    """Tasks whose first id is 10 never start (reset raises); elsewhere a first response that starts with an
+    even id makes the env raise in its second step, after one step was recorded."""
+
+    async def reset(self, task):
+        if task["ids"][0] == 10:
+            raise ConnectionError("the task's data service is down")
+        return await super().reset(task)
+
+    async def step(self, action):
+        if self.turn == 1 and self.first % 2 == 0:
+            raise RuntimeError("tool host crashed")
+        if self.turn == 0:
+            self.first = action.token_ids[0]
+        return await super().step(action)
+
+
+def test_errored_episodes_are_counted_and_left_out_of_the_update(tmp_path, tokenizer):
+    """GRPO advantages are computed over a group's remaining members; an all-errored group is dropped."""
+    from agent_r1.observe.records import read_records, step_files
+
+    tasks = [{"ids": [10 + i, 50, 51]} for i in range(4)]  # task 10: every sample errors
+    cfg = toy_config(tmp_path, "steps=1", "algo.zero_variance_groups=keep", "health.window=1")
+    (h,) = train(cfg, model=tiny_model(), tokenizer=tokenizer, make_env=SometimesBrokenEnv, tasks=tasks)
+    records = list(read_records(step_files(tmp_path / "run")[1]))
+    errored = [r for r in records if r["termination"] == "error"]
+    assert 4 <= len(errored) < len(records) and h["termination/error"] == len(errored) / len(records)
+    assert h["trained_episodes"] == len(records) - len(errored) and h["health/errors"] == 1.0
+    assert all(all(row["advantages"] is None for row in r["rows"]) for r in errored)
+    for group in {r["group_id"] for r in records}:
+        ok = [r for r in records if r["group_id"] == group and r["termination"] != "error"]
+        if len(ok) < 2:
+            continue
+        rewards = torch.tensor([r["reward"] for r in ok])
+        expected = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+        for r, a in zip(ok, expected.tolist(), strict=True):
+            trained = [adv for adv, m in zip(r["rows"][0]["advantages"], r["rows"][0]["mask"], strict=True) if m]
+            assert trained == pytest.approx([a] * len(trained), abs=1e-5)
+
+
+def test_a_step_where_every_episode_errors_is_survived_and_reported(tmp_path, tokenizer):
+    class Down(LowIdEnv):
+        async def reset(self, task):
+            raise ConnectionError("down")
+
+    _, hist = run(toy_config(tmp_path, "steps=2"), tokenizer, env=Down)
+    assert [(h["termination/error"], h["updates"], h["trained_episodes"]) for h in hist] == [(1.0, 0, 0)] * 2
+
+
+class OverflowEnv(LowIdEnv):
+    """Tasks whose first id is 10 start with a prompt longer than the context: no step is ever taken."""
+
+    async def reset(self, task):
+        obs = await super().reset(task)
+        return Observation(token_ids=obs.token_ids * 400) if task["ids"][0] == 10 else obs
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_pp", "reinforce_pp_baseline", "grpo", "ppo"])
+def test_episodes_without_steps_do_not_break_any_estimator(tmp_path, tokenizer, estimator):
+    tasks = [{"ids": [10 + i, 50, 51]} for i in range(4)]
+    cfg = toy_config(tmp_path, "steps=1", f"algo.estimator={estimator}", "algo.zero_variance_groups=keep")
+    (h,) = train(cfg, model=tiny_model(), tokenizer=tokenizer, make_env=OverflowEnv, tasks=tasks)
+    assert h["termination/context_overflow"] == 0.25 and h["trained_episodes"] == 12 and h["updates"] == 1
+
+
+def test_zero_variance_is_judged_on_the_task_reward_not_on_kl_shaped_returns(tmp_path, tokenizer):
+    """With the KL in the reward, the constant-reward groups still count as zero-variance once the policy
+    has moved away from the reference (KL noise would otherwise make them look informative)."""
+    from agent_r1.observe.records import read_records, step_files
+
+    cfg = toy_config(tmp_path, "steps=3", "algo.kl_coef=0.5", "algo.kl_mode=reward", "optim.lr=5e-2")
+    _, hist = run(cfg, tokenizer, env=HalfConstantEnv)
+    for h in hist[1:]:  # after the first update the policy differs from the reference
+        records = list(read_records(step_files(tmp_path / "run")[h["step"]]))
+        groups = {r["group_id"]: r["task"]["ids"][0] % 2 == 0 for r in records}
+        assert h["kl_in_reward"] != 0.0
+        assert h["zero_variance_groups"] == sum(groups.values()) / len(groups)
+
+
+def test_training_refuses_greedy_sampling_and_gspo_gets_its_own_clip_range(tmp_path):
+    with pytest.raises(ValueError, match=r"rollout\.temperature must be > 0 for training"):
+        toy_config(tmp_path, "rollout.temperature=0")
+    assert (toy_config(tmp_path).algo.clip_low, toy_config(tmp_path).algo.clip_high) == (0.2, 0.28)
+    gspo = toy_config(tmp_path, "algo.policy_loss=gspo").algo
+    assert (gspo.clip_low, gspo.clip_high) == (3e-4, 4e-4)
+    assert toy_config(tmp_path, "algo.policy_loss=gspo", "algo.clip_high=1e-3").algo.clip_high == 1e-3
+
+
+class Killed(Exception):
+    pass
+
+
+def test_a_kill_between_checkpoints_resumes_without_duplicates_and_keeps_best_and_policy_in_step(
+    tmp_path, tokenizer, monkeypatch
+):
+    """Checkpoints at steps 2 and 4; the run dies right after step 3 was logged and validated (a new best
+    exported to policy/). The resumed run redoes step 3 from the step-2 checkpoint."""
+    import agent_r1.observe.loggers as loggers
+
+    scripted_validation(monkeypatch, [0.1] * 5)
+    straight, _ = run(val_config(tmp_path / "a", "steps=4", "save_every=2"), tokenizer)
+
+    scripted_validation(monkeypatch, [0.1, 0.2, 0.3, 0.9])
+    real_log = loggers.Loggers.log
+
+    def log_then_die(self, metrics, step):
+        real_log(self, metrics, step)
+        if step == 3:
+            raise Killed
+
+    monkeypatch.setattr(loggers.Loggers, "log", log_then_die)
+    with pytest.raises(Killed):
+        run(val_config(tmp_path / "b", "steps=4", "save_every=2"), tokenizer)
+    monkeypatch.setattr(loggers.Loggers, "log", real_log)
+    scripted_validation(monkeypatch, [0.25, 0.5])  # the redone step 3 validates worse this time
+    resumed, hist = run(val_config(tmp_path / "b", "steps=4", "save_every=2"), tokenizer)
+
+    root = tmp_path / "b/run"
+    lines = [json.loads(x) for x in (root / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2, 3, 4]  # step 3 once, although it ran twice
+    best = json.loads((root / "policy/best.json").read_text())
+    assert best == {"step": 3, "accuracy": 0.9} and [h["val/best_step"] for h in hist] == [3, 3]
+    for (n, p), (_, q) in zip(straight.named_parameters(), resumed.named_parameters(), strict=True):
+        assert torch.equal(p, q), n
+    a = [json.loads(x)["reward_mean"] for x in (tmp_path / "a/run/metrics.jsonl").read_text().splitlines()[1:]]
+    assert a == [m["reward_mean"] for m in lines[1:]]
+
+
+def test_resume_refuses_a_changed_config_naming_the_key(tmp_path, tokenizer):
+    run(toy_config(tmp_path, "steps=1"), tokenizer)
+    with pytest.raises(ValueError, match=r"config differs at 'optim\.lr' \(0\.01 there, 0\.02 now\)"):
+        run(toy_config(tmp_path, "steps=2", "optim.lr=2e-2"), tokenizer)
+    before = (tmp_path / "run/config.yaml").read_text()
+    assert "lr: 0.01" in before  # the refused run did not overwrite the run's config
+    _, hist = run(toy_config(tmp_path, "steps=2", "save_every=5"), tokenizer)  # more steps: a resume
+    assert [h["step"] for h in hist] == [2]
+
+
+def test_the_policy_written_by_training_records_how_to_prompt_it(tmp_path, tokenizer):
+    run(toy_config(tmp_path, "steps=1"), tokenizer)
+    info = json.loads((tmp_path / "run/policy/agent_r1.json").read_text())
+    assert info["prompt_format"] == "chat" and info["tool_call_format"]["name"] == "hermes"
+    assert info["task"] is None  # an env passed in is not the config's task: nothing to claim

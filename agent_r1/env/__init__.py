@@ -1,0 +1,1 @@
+"""Environments: the `Env` protocol, `ToolEnv` (hermes tool calls), prompt formats (messages -> ids, once)."""

@@ -1,0 +1,1 @@
+"""Training: the RL loop (rl.py) and its stages (rows, critic, update, validation), SFT, checkpoints."""
