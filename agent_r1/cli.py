@@ -29,9 +29,9 @@ from agent_r1.utils.malloc import fix_mmap_threshold
 
 COMMANDS = {
     "demo": (DemoConfig, run_demo, "the main job: eval -> SFT cold start -> RL -> eval, with a results table"),
-    "train": (TrainConfig, train, "RL on a recipe (GRPO, PPO, REINFORCE++, RLOO, ...)"),
+    "train": (TrainConfig, train, "RL on a task (GRPO, PPO, REINFORCE++, RLOO, ...)"),
     "sft": (SFTConfig, sft, "cold-start SFT on multi-turn tool-use demonstrations"),
-    "eval": (EvalConfig, run_eval, "evaluate a model on a recipe's tasks with its tools"),
+    "eval": (EvalConfig, run_eval, "evaluate a model on a task's problems with its tools"),
     "chat": (ChatConfig, run_chat, "talk to a tool-using model in the terminal, or answer one --prompt"),
     "serve": (ServeConfig, run_serve, "OpenAI-compatible server: chat with tools, token-id completions"),
     "export": (ExportConfig, run_export, "checkpoint -> Hugging Face directory (LoRA merged)"),

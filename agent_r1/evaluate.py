@@ -94,12 +94,12 @@ def evaluate(
     (the share that ended in an exception) and `seconds`.
 
     Accuracy is the mean `reward/correct` part when the reward reports one (the format bonus must
-    not count), else the share of episodes with reward >= 1."""
+    not count), else the share of episodes whose outcome reward is >= 1."""
     start = time.perf_counter()
     trajs = AgentEnvLoop(engine, make_env, sampling, seed=seed).run_sync(tasks, group_size)
     metrics = summarize(trajs)
     metrics["seconds"] = time.perf_counter() - start
-    metrics["accuracy"] = metrics.get("reward/correct", sum(t.reward >= 1.0 for t in trajs) / len(trajs))
+    metrics["accuracy"] = metrics.get("reward/correct", sum(t.outcome >= 1.0 for t in trajs) / len(trajs))
     metrics["episodes"] = float(len(trajs))
     metrics["errors"] = sum(t.termination == Termination.ERROR for t in trajs) / len(trajs)
     return metrics | accuracy_by_kind(trajs, kind_key), trajs
@@ -112,13 +112,14 @@ def accuracy_by_kind(trajs: list[Trajectory], key: str | None) -> dict[str, floa
         return {}
     hits: dict[str, list[float]] = {}
     for t in trajs:
-        correct = t.metrics.get("reward/correct", float(t.reward >= 1.0))
+        correct = t.metrics.get("reward/correct", float(t.outcome >= 1.0))
         hits.setdefault(f"accuracy/{key}={t.task[key]}", []).append(correct)
     return {k: sum(v) / len(v) for k, v in sorted(hits.items())}
 
 
 def report_table(title: str, m: dict[str, float]) -> Table:
-    """Accuracy, tool use and turns, then every logged reward part (EM, F1, format, ...)."""
+    """Episodes, errors, accuracy (per kind too), tool use and turns, then every logged reward part (EM, F1,
+    format, ...): one row per metric, so that the table reads at any terminal width."""
     parts = sorted(k for k in m if k.startswith("reward/") and k != "reward/correct")
     columns = {
         "episodes": f"{m['episodes']:.0f}",
@@ -132,8 +133,7 @@ def report_table(title: str, m: dict[str, float]) -> Table:
         **{k.removeprefix("reward/"): f"{m[k]:.3f}" for k in parts},
         "seconds": f"{m['seconds']:.1f}",
     }
-    table = Table(title=f"eval: {title}")
-    for col in columns:
-        table.add_column(col, justify="right")
-    table.add_row(*columns.values())
+    table = Table("metric", "value", title=f"eval: {title}")
+    for name, value in columns.items():
+        table.add_row(name, value)
     return table

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,8 @@ def load_task(name: str) -> Any:
     or a .py file. A name that resolves to nothing usable is a one-line ValueError."""
     target = f"agent_r1.tasks.{name}" if name in BUILTIN_TASKS else name
     module_name, _, attr = target.partition(":")
+    if "" not in sys.path and os.getcwd() not in sys.path:  # `task=my_pkg.my_task` from the project root,
+        sys.path.append(os.getcwd())  # as `python -m` would find it (the agent-r1 script does not add it)
     try:
         module = _load_file(Path(module_name)) if module_name.endswith(".py") else importlib.import_module(module_name)
     except ImportError as exc:

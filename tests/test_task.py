@@ -79,3 +79,15 @@ def test_the_example_task_trains_through_the_cli_with_no_edit_to_the_package(tmp
     info = json.loads((run / "policy/agent_r1.json").read_text())
     assert info["task"] == {"name": "examples.shop_task", "items": 2, "penalty": 0.5}
     assert info["prompt_format"] == "chat"
+
+
+def test_a_task_import_path_resolves_from_the_working_directory():
+    """The `agent-r1` script does not put the working directory on sys.path; task names still resolve
+    from it, as `python -m` would (run isolated, -I, so the interpreter adds nothing itself)."""
+    import subprocess
+    import sys
+
+    code = "from agent_r1.task import load_task; print(load_task('examples.shop_task').PRICES['apple'])"
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-I", "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "0.4"

@@ -129,6 +129,22 @@ def rloo(step_rewards: list[Tensor], group_ids: Sequence[str]) -> list[Tensor]:
     return _per_step(adv, step_rewards)
 
 
+@torch.no_grad()
+def outcome_advantages(
+    estimator: str, step_rewards: list[Tensor], group_ids: Sequence[str], step_tokens: list[Tensor], gamma: float
+) -> list[Tensor]:
+    """Per-step advantages [K_i] of one of the critic-free estimators, by its config name."""
+    if estimator in ("grpo", "drgrpo"):
+        return grpo(step_rewards, group_ids, norm_by_std=estimator == "grpo")
+    if estimator == "rloo":
+        return rloo(step_rewards, group_ids)
+    if estimator == "reinforce_pp":
+        return reinforce_pp(step_rewards, step_tokens, gamma)
+    if estimator == "reinforce_pp_baseline":
+        return reinforce_pp_baseline(step_rewards, step_tokens, group_ids, gamma)
+    raise ValueError(f"unknown estimator {estimator!r} (ppo's advantages come from GAE with its critic)")
+
+
 # ---------------------------------------------------------------------------------------------------
 # returns-to-go (step level)
 

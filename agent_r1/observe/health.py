@@ -92,7 +92,8 @@ def echo_trap(history: list[Metrics], cfg: HealthConfig) -> str | None:
 
 
 def logprob_drift(history: list[Metrics], cfg: HealthConfig) -> str | None:
-    """Rollout and trainer log-probs of the same tokens disagree before any update (DESIGN.md §1)."""
+    """Rollout and trainer log-probs of the same tokens disagree before any update (the log-prob
+    consistency guard rail, docs/architecture.md)."""
     m = history[-1]
     mean, top = m.get("logprob_drift_mean"), m.get("logprob_drift_max")
     if mean is None or top is None or (mean <= cfg.drift_mean and top <= cfg.drift_max):

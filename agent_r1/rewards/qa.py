@@ -1,8 +1,8 @@
 """Question-answering rewards: SQuAD-normalised EM, F1 and sub-EM, and Agent-R1's format + answer score.
 
 Normalisation is the official SQuAD / HotpotQA one (Rajpurkar et al. 2016, arXiv 1606.05250): lower
-case, drop punctuation, drop the articles a/an/the, collapse whitespace. docs/rewards.md gives the
-exact formula of `qa_em_and_format`.
+case, drop punctuation, drop the articles a/an/the, collapse whitespace. docs/search.md ("Rewards")
+gives the exact formula of `qa_em_and_format`.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ class Engine(Protocol):
         ...
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Make the engine sample from `model`'s current weights (called after every optimizer step)."""
+        """Make the engine sample from `model`'s current weights (the trainer calls it once per RL step)."""
         ...
 
 

@@ -76,7 +76,7 @@ class RemoteEngine:
         return list(await asyncio.gather(*(self._one(client, p, params, i) for i, p in enumerate(prompts))))
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Have the server sample from `model`'s current weights (called after every optimizer step).
+        """Have the server sample from `model`'s current weights (once per RL step, after the update).
 
         Writes them (LoRA merged, under the plain model's names) to `<sync_dir>/weights.safetensors`
         through a temporary file and a rename, so the server never reads a half-written file, then

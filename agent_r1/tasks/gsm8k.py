@@ -1,8 +1,8 @@
 """GSM8K with a calculator: grade-school math word problems, answered after calculator calls.
 
-Data: ../shared/data/gsm8k/train.jsonl (the GSM8K train split, MIT), or any file in GSM8K's published
-layout (`task.data=FILE`: question, and an answer that ends in `#### N`), split by a stable hash of the
-question into 10% held out (test), 10% validation and 80% train (agent_r1.data.splits). Reward: numeric
+Data: ../shared/data/gsm8k/train.jsonl (the GSM8K train split, MIT), split by a stable hash of the
+question into 10% held out (test), 10% validation and 80% train (agent_r1.data.splits); or any file in
+GSM8K's published layout (`task.data=FILE`: question, and an answer that ends in `#### N`), used whole. Reward: numeric
 match of the final answer with GSM8K's `#### N`. Demonstrations: each `<<expr=result>>` calculator
 annotation of a solution becomes a calculator call whose result comes back as a tool response.
 """
@@ -47,11 +47,13 @@ def final_answer(solution: str) -> float:
 
 
 def load(path: str | Path | None = None, split: Split = "train", n: int | None = None) -> list[dict[str, Any]]:
-    """GSM8K tasks of one split: question, answer (the number), solution (the annotated text)."""
+    """GSM8K tasks of one split: question, answer (the number), solution (the annotated text). The bundled
+    file is split by question hash; a file given as `path` is used whole, for any split."""
+    bucketed = path is None
     path = path or DEFAULT_PATH
     out = []
     for i, row in enumerate(load_tasks(path), 1):
-        if split_of(row["question"]) != split:
+        if bucketed and split_of(row["question"]) != split:
             continue
         try:
             answer = final_answer(str(row["answer"]))

@@ -20,7 +20,6 @@ Bins are filled first-fit-decreasing by the tokens they will actually compute.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -297,84 +296,45 @@ def _drops_kv_cache(backbone: torch.nn.Module) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) and m.training for m in backbone.modules())
 
 
-# What a causal LM's forward does to `lm_head(hidden)` before it returns the logits (transformers 5.x,
-# by the config's model type): (attribute of the text config, operation) steps, in order. A type not
-# listed soft-caps by `final_logit_softcapping` when set (Gemma 2, Gemma 3/3n/4 text, VaultGemma, ...).
-_SOFTCAP = (("final_logit_softcapping", "softcap"),)
-_LOGIT_OPS: dict[str, tuple[tuple[str, str], ...]] = {
-    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe", "cohere_compass_text"), (("logit_scale", "mul"),)),
-    **dict.fromkeys(
-        ("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared"),
-        (("logits_scaling", "div"),),
-    ),
-    "hyperclovax": (("logits_scaling", "mul"),),  # MuP: it multiplies where Granite divides
-    "minicpm3": (("logits_scaling", "div"),),  # it divides the hidden states: the same linear map
-    "falcon_h1": (("lm_head_multiplier", "mul"),),
-    "recurrent_gemma": (("logits_soft_cap", "softcap"),),
-    # multimodal configs, whose ...ForConditionalGeneration reads the text config (or not)
-    **dict.fromkeys(("gemma3n", "gemma4", "gemma4_unified", "paligemma", "mistral_large4"), _SOFTCAP),
-    "cohere_compass": (("logit_scale", "mul"),),
-    **dict.fromkeys(("granite4_vision", "granite_docling"), (("logits_scaling", "div"),)),
-    "hyperclovax_vision_v2": (("logits_scaling", "mul"),),
-    **dict.fromkeys(("gemma3", "aya_vision", "cohere2_vision"), ()),  # their forwards ignore the text config's
+# What some causal LMs' forward does to `lm_head(hidden)` before it returns logits (transformers 5.x), by
+# model type: (config attribute, operation). Text configs with `final_logit_softcapping` set (Gemma 2, the
+# Gemma 3 text model, ...) soft-cap; any other logit-changing attribute is refused by `_logit_ops`.
+_LOGIT_OPS: dict[str, tuple[str, str]] = {
+    **dict.fromkeys(("cohere", "cohere2"), ("logit_scale", "mul")),
+    **dict.fromkeys(("granite", "granitemoe", "granitemoehybrid", "granitemoeshared"), ("logits_scaling", "div")),
 }
-# Config attributes that some causal LM's forward uses to change its logits after the projection.
-_LOGIT_ATTRS = (
-    "final_logit_softcapping",
-    "logits_soft_cap",
-    "logit_scale",
-    "logits_scaling",
-    "lm_head_multiplier",
-    "output_multiplier",  # MuseGlimmer/MuseSpark: a multiplier before the soft-cap
-    "output_logit_soft_cap",  # xLSTM
-    "logits_mup_width_multiplier",  # Inkling: divides the hidden states
-    "unpadded_vocab_size",  # Inkling: cuts the padded vocabulary off the logits
-)
+_LOGIT_ATTRS = (  # config attributes that some causal LM's forward uses to change its logits
+    "final_logit_softcapping", "logits_soft_cap", "logit_scale", "logits_scaling", "lm_head_multiplier",
+    "output_multiplier", "output_logit_soft_cap", "logits_mup_width_multiplier",
+)  # fmt: skip
 
 
-def _logit_ops(model: torch.nn.Module) -> tuple[tuple[str, float], ...]:
+def _logit_ops(model: torch.nn.Module) -> list[tuple[str, float]]:
     """The (operation, value) steps that `model`'s forward applies to its LM head's output.
 
-    Why: `token_logprobs` runs the vocabulary projection itself (at sampled positions only), so any
-    logit processing in the model's forward (Gemma's soft-cap, Cohere's and Granite's scaling) must be
-    redone here, exactly, or the trained log-probs are not those the rollout sampled from. The steps
-    run in float32 after the projection (the model runs them in its own dtype). A model type not in
-    `_LOGIT_OPS` whose config sets another logit-changing attribute is refused with one line naming
-    the type and the attribute, rather than trained on wrong log-probs. Worked out once per model
-    (reading a config's attributes takes tens of microseconds), so its config must not change after.
+    Why: `token_logprobs` runs the vocabulary projection itself (at sampled positions only), so the
+    logit processing in the model's forward (Gemma's soft-cap, Cohere's and Granite's scales) must be
+    redone here, exactly, or the trained log-probs are not those the rollout sampled from. Any other
+    logit-changing attribute is refused with one line naming the model type, rather than trained on
+    wrong log-probs. The steps run in float32 after the projection.
     """
-    ops = _LOGIT_OPS_OF.get(model)
-    if ops is None:
-        ops = _LOGIT_OPS_OF[model] = _logit_ops_of(getattr(model, "config", None))
-    return ops
-
-
-_LOGIT_OPS_OF: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[str, float], ...]] = weakref.WeakKeyDictionary()
-
-
-def _logit_ops_of(config: object) -> tuple[tuple[str, float], ...]:
+    config = getattr(model, "config", None)
     if config is None:
-        return ()
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return []
     kind = getattr(config, "model_type", None)
-    ops = _LOGIT_OPS.get(kind)
-    if ops is None:
-        ops = _SOFTCAP if text is config else ()
-        for attr in _LOGIT_ATTRS:
-            value = getattr(text, attr, None)
-            if (attr, "softcap") not in ops and _changes_logits(attr, value, text):
-                raise ValueError(
-                    f"model type {kind!r} sets {attr}={value!r}, which changes its logits in a way "
-                    "token_logprobs does not reproduce; training this model type is not supported"
-                )
-    steps = ((op, getattr(text, attr, None)) for attr, op in ops)
-    return tuple((op, float(v)) for op, v in steps if v is not None and (op == "softcap" or v != 1))
-
-
-def _changes_logits(attr: str, value: object, config: object) -> bool:
-    """Whether a logit attribute's value does anything (a soft-cap always does; a factor unless 1)."""
-    if value is None:
-        return False
-    if attr == "unpadded_vocab_size":
-        return value != getattr(config, "vocab_size", None)
-    return "cap" in attr or not (isinstance(value, int | float) and value == 1)
+    if kind in _LOGIT_OPS:
+        attr, op = _LOGIT_OPS[kind]
+    elif getattr(config, "final_logit_softcapping", None) is not None:
+        attr, op = "final_logit_softcapping", "softcap"
+    else:
+        attr, op = None, None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for other in _LOGIT_ATTRS:
+        value = getattr(text, other, None)
+        if other != attr and value is not None and value != 1:
+            raise ValueError(
+                f"model type {kind!r} sets {other}={value!r}, which changes its logits in a way "
+                "token_logprobs does not reproduce; training this model type is not supported"
+            )
+    value = getattr(config, attr, None) if attr else None
+    return [(op, float(value))] if value is not None and (op == "softcap" or value != 1) else []

@@ -47,7 +47,7 @@ class AlgoConfig:
     gae_level: Literal["step", "token"] = "step"
     """PPO: one value per step (gamma/lambda across steps) or per token"""
     gamma: float = 1.0
-    """discount across steps (tokens for token-level GAE)"""
+    """discount per step (turn); token-level GAE applies it between steps only"""
     lam: float = 0.95
     """GAE lambda"""
     policy_loss: Literal["ppo", "gspo"] = "ppo"
@@ -100,6 +100,8 @@ class OptimConfig:
     """optimizer steps of linear warm-up"""
     micro_batch_tokens: int = 1024
     """token budget of one packed micro-batch (gradient accumulation covers the rest)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass (less memory, more compute; shared prefixes become packing)"""
 
 
 @dataclass
@@ -107,7 +109,7 @@ class ValConfig:
     every: int = 0
     """validate greedily every N RL steps, before the first and after the last (0 = never)"""
     num_tasks: int = 32
-    """tasks of the recipe's validation split (disjoint from training and from the held-out test split)"""
+    """tasks of the task's validation split (disjoint from training and from the held-out test split)"""
     task: dict[str, Any] = field(default_factory=dict)
     """task options that differ for validation, e.g. val.task.ops=[1,2] or val.task.data=FILE (jsonl)"""
     metric: str = "accuracy"

@@ -83,10 +83,11 @@ def run_export(cfg: ExportConfig) -> Path:
     policy, tokenizer, config = load_policy(checkpoint, cfg.model)
     fmt = config.get("prompt_format", "auto")
     chat = is_chat_model(config["model"], tokenizer) if fmt == "auto" else fmt == "chat"
+    meta = json.loads((checkpoint / "meta.json").read_text())
     info = policy_info(
-        config["model"], chat, config.get("task"),
+        config["model"], chat, meta.get("task", config.get("task")),  # RL records None for an env passed in
         exported_from=str(checkpoint.resolve()),
-        step=json.loads((checkpoint / "meta.json").read_text()).get("step"),
+        step=meta.get("step"),
         lora_merged=bool((config.get("lora") or {}).get("enabled")),
     )  # fmt: skip
     out = export_policy(policy, tokenizer, cfg.out, info=info)

@@ -16,8 +16,6 @@ makes that safe.
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import random
 import time
 from collections.abc import Callable
@@ -50,9 +48,10 @@ from agent_r1.trainer.common import adamw, lr_schedule
 from agent_r1.trainer.config import TrainConfig
 from agent_r1.trainer.critic import Critic, fill_old_values, set_gae
 from agent_r1.trainer.export import policy_info
+from agent_r1.trainer.reference import reference_policy
 from agent_r1.trainer.rows import build_rows, fill_ref_logprobs, set_step_advantages, step_kl, write_step_records
 from agent_r1.trainer.update import policy_update
-from agent_r1.trainer.validation import Validator
+from agent_r1.trainer.validation import make_validator
 from agent_r1.types import Termination, Trajectory
 from agent_r1.utils.progress import progress_bar
 
@@ -84,7 +83,9 @@ def train(
         model, tokenizer = load_model(cfg.model)
     use_onednn(model)  # a model passed in gets the same kernels as a loaded one (no-op if it has them)
     policy = with_lora(model, cfg.lora) if cfg.lora.enabled else model
-    ref = _reference(policy, cfg)
+    if cfg.optim.gradient_checkpointing:  # recompute activations in backward: less memory, ~1/3 more compute
+        policy.activation_checkpointing_enable({"use_reentrant": False})
+    ref = reference_policy(policy, cfg.algo.kl_coef, cfg.lora.enabled)
     critic = Critic(policy, cfg.algo.critic) if cfg.algo.estimator == "ppo" else None
     modules: dict[str, torch.nn.Module] = {"policy": policy} | ({"critic": critic} if critic else {})
     params = list({id(p): p for m in modules.values() for p in m.parameters() if p.requires_grad}.values())
@@ -101,7 +102,7 @@ def train(
     make_env = make_env or cfg.task.env_factory(tokenizer, chat, cfg.rollout.max_turns)
     sampler = TaskSampler(tasks if tasks is not None else cfg.task.tasks("train", 4096, cfg.seed), cfg.seed)
     info = policy_info(cfg.model, chat, cfg.task.to_raw() if own_task else None)
-    validator = _validator(cfg, engine, make_env if not own_task else None, policy, tokenizer, chat, info, console)
+    validator = make_validator(cfg, engine, None if own_task else make_env, policy, tokenizer, chat, info, console)
 
     start = 0
     if cfg.resume and (meta := resume(run_dir, to_dict(cfg), modules, optimizer, scheduler, RESUMABLE_CHANGES)):
@@ -113,6 +114,7 @@ def train(
     loggers = Loggers(cfg.log, run_dir, to_dict(cfg), keep_until=start if start else -1)
     health = HealthMonitor(cfg.health, console)
     history = []
+    engine.sync_weights(policy)  # a remote engine starts from the policy being trained (after a resume too)
     if validator and start == 0:  # the starting policy is a candidate too: RL must beat it to be kept
         history.append({"step": 0} | validator(0))
         loggers.log(history[-1], 0)
@@ -163,7 +165,8 @@ def train(
             if a.estimator == "ppo":
                 set_gae(rows, where, rewards, a.gamma, a.lam, a.gae_level)
             else:
-                set_step_advantages(rows, where, _step_advantages(rewards, groups, where.step_tokens, cfg))
+                step_adv = adv_fns.outcome_advantages(a.estimator, rewards, groups, where.step_tokens, a.gamma)
+                set_step_advantages(rows, where, step_adv)
             if cfg.log.trajectories_every and (step + 1) % cfg.log.trajectories_every == 0:
                 path = step_path(run_dir, step + 1)
                 write_step_records(path, trajs, sequences, kept, rows, where, tokenizer, step + 1)
@@ -199,7 +202,7 @@ def train(
             bar.update(task_bar, advance=1, description=_describe(metrics))
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                 best = validator.best if validator else None  # a resumed run keeps its best step
-                extra = {"cursor": sampler.cursor, "config": to_dict(cfg), "best": best}
+                extra = {"cursor": sampler.cursor, "config": to_dict(cfg), "best": best, "task": info["task"]}
                 save_checkpoint(run_dir, step + 1, modules, optimizer, scheduler, extra, keep=cfg.keep_last)
 
     loggers.close()
@@ -209,19 +212,7 @@ def train(
     return history
 
 
-def _step_advantages(rewards: list[torch.Tensor], groups: list[str], step_tokens, cfg: TrainConfig) -> list:
-    """Per-step advantages [K_i] of the configured outcome estimator (PPO's GAE is in trainer/critic.py)."""
-    a = cfg.algo
-    if a.estimator in ("grpo", "drgrpo"):
-        return adv_fns.grpo(rewards, groups, norm_by_std=a.estimator == "grpo")
-    if a.estimator == "rloo":
-        return adv_fns.rloo(rewards, groups)
-    if a.estimator == "reinforce_pp":
-        return adv_fns.reinforce_pp(rewards, step_tokens, a.gamma)
-    return adv_fns.reinforce_pp_baseline(rewards, step_tokens, groups, a.gamma)
-
-
-# --- set-up: engine, reference, validation --------------------------------------------------
+# --- set-up, metrics --------------------------------------------------
 
 
 def _engine(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, run_dir: Path):
@@ -231,50 +222,10 @@ def _engine(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, run_dir: 
     return LocalEngine(policy, tokenizer, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.seed)
 
 
-def _reference(policy: torch.nn.Module, cfg: TrainConfig) -> Callable | None:
-    """A context manager factory yielding the reference policy, or None when KL is off.
-
-    With LoRA the reference is the same model with its adapters disabled (no second copy); with
-    full fine-tuning it is a frozen copy of the initial weights.
-    """
-    if cfg.algo.kl_coef == 0:
-        return None
-    if cfg.lora.enabled:
-
-        @contextlib.contextmanager
-        def adapters_off():
-            with policy.disable_adapter():
-                yield policy
-
-        return adapters_off
-    frozen = copy.deepcopy(policy).eval().requires_grad_(False)
-    return lambda: contextlib.nullcontext(frozen)
-
-
-def _validator(cfg: TrainConfig, engine, make_env, policy, tokenizer, chat: bool, info, console) -> Validator | None:
-    """Validation on the task's val split (its options changed by val.task); `make_env` when given."""
-    v = cfg.val
-    if not v.every:
-        return None
-    spec = cfg.task.with_options(v.task, prefix="val.task.")
-    return Validator(
-        spec.tasks("val", v.num_tasks, cfg.seed),
-        make_env or spec.env_factory(tokenizer, chat, cfg.rollout.max_turns),
-        engine, policy, tokenizer, metric=v.metric, max_new_tokens=cfg.rollout.max_new_tokens,
-        out=Path(cfg.run_dir) / "policy" if v.keep_best else None,
-        records=Path(cfg.run_dir) / "val" if cfg.log.trajectories_every else None,  # agent-r1 view RUN_DIR/val
-        info=info, console=console, kind_key=spec.kind_key,
-    )  # fmt: skip
-
-
-# --- metrics --------------------------------------------------------------------------
-
-
 def _rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
     m = summarize(trajs)
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
-    outcome = [t.rewards[-1] if t.steps else 0.0 for t in trajs]
-    accuracy = m.get("reward/correct", sum(o >= 1.0 for o in outcome) / max(1, len(trajs)))
+    accuracy = m.get("reward/correct", sum(t.outcome >= 1.0 for t in trajs) / max(1, len(trajs)))
     return m | {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()) if len(trajs) > 1 else 0.0,

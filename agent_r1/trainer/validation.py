@@ -21,6 +21,7 @@ from agent_r1.evaluate import evaluate
 from agent_r1.observe.records import step_path, trajectory_records, write_records
 from agent_r1.rollout.engine import Engine, SamplingParams
 from agent_r1.trainer.checkpoint import export_policy
+from agent_r1.trainer.config import TrainConfig
 
 BEST_FILE = "best.json"
 
@@ -78,3 +79,22 @@ class Validator:
             f"validation after step {step}: {m} {value:.3g} (best {self.best[m]:.3g} at step {self.best['step']})"
         )
         return {f"val/{k}": v for k, v in metrics.items()} | {"val/best_step": self.best["step"]}
+
+
+def make_validator(
+    cfg: TrainConfig, engine: Engine, make_env, policy, tokenizer, chat: bool, info: dict[str, Any], console: Console
+) -> Validator | None:
+    """Validation on the task's val split (its options changed by `val.task`), or None when off; the
+    env is `make_env` when the trainer was given one, else the task's own."""
+    v = cfg.val
+    if not v.every:
+        return None
+    spec = cfg.task.with_options(v.task, prefix="val.task.")
+    return Validator(
+        spec.tasks("val", v.num_tasks, cfg.seed),
+        make_env or spec.env_factory(tokenizer, chat, cfg.rollout.max_turns),
+        engine, policy, tokenizer, metric=v.metric, max_new_tokens=cfg.rollout.max_new_tokens,
+        out=Path(cfg.run_dir) / "policy" if v.keep_best else None,
+        records=Path(cfg.run_dir) / "val" if cfg.log.trajectories_every else None,  # agent-r1 view RUN_DIR/val
+        info=info, console=console, kind_key=spec.kind_key,
+    )  # fmt: skip

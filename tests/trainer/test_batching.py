@@ -159,16 +159,13 @@ LOGIT_MODELS = {  # model class: config that changes the logits after the LM hea
     "Gemma2": lambda: transformers.Gemma2Config(**TINY, num_key_value_heads=2, head_dim=8, final_logit_softcapping=2.0),
     "Granite": lambda: transformers.GraniteConfig(**TINY, num_key_value_heads=2, logits_scaling=4.0),
     "Cohere": lambda: transformers.CohereConfig(**TINY, num_key_value_heads=2, logit_scale=3.0),
-    "MiniCPM3": lambda: transformers.MiniCPM3Config(  # logits_scaling = hidden_size / dim_model_base = 4
-        **TINY, dim_model_base=8, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8
-    ),
 }
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("name", list(LOGIT_MODELS))
 def test_logprobs_follow_the_models_own_logit_processing(name, temperature):
-    """Soft-capping (Gemma 2), logit scaling (Granite, Cohere, MiniCPM3) are applied after the
+    """Soft-capping (Gemma 2), logit scaling (Granite, Cohere) are applied after the
     projection, as in the model's forward: log-probs equal log_softmax(model(ids).logits / T)."""
     if not hasattr(transformers, f"{name}ForCausalLM"):
         pytest.skip(f"{name} is not in this transformers")

@@ -56,6 +56,7 @@ def test_grpo_reward_rises(tmp_path, tokenizer):
         ["algo.kl_coef=0.1", "algo.kl_mode=loss", "algo.kl_estimator=k3", "algo.entropy_coef=0.01"],
         ["algo.kl_coef=0.1", "algo.kl_mode=reward", "algo.kl_estimator=k1"],
         ["lora.enabled=true", "lora.r=4", "algo.kl_coef=0.1", "optim.schedule=cosine", "optim.warmup_steps=1"],
+        ["optim.gradient_checkpointing=true", "algo.kl_coef=0.1"],
     ],
 )
 def test_every_estimator_and_loss_trains(tmp_path, tokenizer, overrides):
@@ -392,3 +393,34 @@ def test_the_policy_written_by_training_records_how_to_prompt_it(tmp_path, token
     info = json.loads((tmp_path / "run/policy/agent_r1.json").read_text())
     assert info["prompt_format"] == "chat" and info["tool_call_format"]["name"] == "hermes"
     assert info["task"] is None  # an env passed in is not the config's task: nothing to claim
+
+
+def test_training_through_a_remote_engine_syncs_the_weights_every_step(tmp_path, tokenizer):
+    """rollout.engine=remote: `agent-r1 serve` starts with other weights. The trainer syncs its policy before
+    the first rollout and after every update, so the served log-probs are the trainer's own (no drift)."""
+    import httpx
+
+    from agent_r1.env.prompt_format import ChatFormat
+    from agent_r1.rollout.local_engine import LocalEngine
+    from agent_r1.serve import ServedModel, create_app
+    from tests.conftest import serving
+
+    served = LocalEngine(tiny_model(seed=3), tokenizer, max_context=1024)
+    with serving(create_app(ServedModel(served, tokenizer, ChatFormat(tokenizer), "toy"))) as url:
+        cfg = toy_config(tmp_path, "steps=2", "rollout.engine=remote", f"rollout.url={url}")
+        _, hist = run(cfg, tokenizer)
+        version = httpx.get(f"{url}/v1/models").json()["data"][0]["weights_version"]
+    assert all(h["updates"] == 1 and h["logprob_drift_max"] < 1e-4 for h in hist)
+    assert version == 3 and hist[-1]["time/weight_sync"] > 0  # before step 1, after steps 1 and 2
+
+
+def test_the_prompt_format_follows_the_model_passed_in_not_the_configs_model(tmp_path, tokenizer):
+    """cfg.model names a chat model (the default), but the model passed in has a tokenizer without a chat
+    template: `prompt_format=auto` must pick plain text for it (and never build the config's task env)."""
+    import copy
+
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    cfg = toy_config(tmp_path, "steps=1", "prompt_format=auto", "task=hotpotqa")
+    train(cfg, model=tiny_model(), tokenizer=plain, make_env=LowIdEnv, tasks=TASKS)
+    assert json.loads((tmp_path / "run/policy/agent_r1.json").read_text())["prompt_format"] == "text"
