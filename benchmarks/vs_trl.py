@@ -202,16 +202,19 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=2, help="prompts per step")
     parser.add_argument("--group-size", type=int, default=8, help="completions per prompt")
     parser.add_argument("--prompt", choices=("bare", "tools", "both"), default="both", help="prompt(s) to run")
+    parser.add_argument("--skip-trl", action="store_true", help="time agent-r1 alone (e.g. to compare two commits)")
     args = parser.parse_args()
-    try:
-        import trl
-    except ImportError:
-        print("TRL is not installed: pip install trl (an optional extra for this benchmark only)")
-        sys.exit(2)
     import torch
     import transformers
 
-    print(f"trl {trl.__version__}, transformers {transformers.__version__}, torch {torch.__version__}")
+    if not args.skip_trl:
+        try:
+            import trl
+        except ImportError:
+            print("TRL is not installed: pip install trl (an optional extra for this benchmark only)")
+            sys.exit(2)
+        print(f"trl {trl.__version__}")
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}")
     print(f"torch threads {torch.get_num_threads()}, {args.tasks} prompts x {args.group_size} completions")
     tasks = make_tasks(max(64, 4 * args.tasks), ops=(1,))
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("default"))
@@ -230,7 +233,7 @@ def main() -> None:
         tmp = tempfile.mkdtemp(prefix="vs_trl_")
         try:
             results = {"agent-r1": run_agent_r1(tasks, args.tasks, args.group_size, f"{tmp}/agent_r1", prefix)}
-            for ckpt, onednn in ((True, False), (False, False), (False, True)):
+            for ckpt, onednn in () if args.skip_trl else ((True, False), (False, False), (False, True)):
                 name = f"TRL, gradient_checkpointing={ckpt}" + (" (default)" if ckpt else "")
                 name += ", oneDNN linears" if onednn else ""
                 results[name] = run_trl(
