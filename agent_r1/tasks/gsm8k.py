@@ -9,7 +9,6 @@ annotation of a solution becomes a calculator call whose result comes back as a 
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +19,8 @@ from agent_r1.data.splits import Split, split_of
 from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.env.tool_calls import format_tool_responses
 from agent_r1.env.tool_env import ToolEnv
-from agent_r1.tasks.calculator import INSTRUCTIONS, calculator_result, reward, tool_call_text
-from agent_r1.tools import calculator
+from agent_r1.tasks import calculator
+from agent_r1.tasks.calculator import calculator_result, reward, tool_call_text  # noqa: F401 (reward: the task's)
 from agent_r1.types import Message
 
 DEFAULT_PATH = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "gsm8k" / "train.jsonl"
@@ -70,12 +69,9 @@ def tasks(options: Options, split: Split, n: int, seed: int = 0) -> list[dict[st
 
 
 def make_env(options: Options, prompt_format: PromptFormat, max_turns: int = 6) -> ToolEnv:
-    return ToolEnv(
-        {"calculator": calculator},
-        prompt_format,
-        functools.partial(reward, format_weight=options.format_weight),
-        instructions=INSTRUCTIONS,
-        max_turns=max_turns,
+    """The calculator task's env (tool, instructions, reward), without its worked example."""
+    return calculator.make_env(
+        calculator.Options(few_shot=False, format_weight=options.format_weight), prompt_format, max_turns
     )
 
 

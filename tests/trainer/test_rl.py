@@ -424,3 +424,19 @@ def test_the_prompt_format_follows_the_model_passed_in_not_the_configs_model(tmp
     cfg = toy_config(tmp_path, "steps=1", "prompt_format=auto", "task=hotpotqa")
     train(cfg, model=tiny_model(), tokenizer=plain, make_env=LowIdEnv, tasks=TASKS)
     assert json.loads((tmp_path / "run/policy/agent_r1.json").read_text())["prompt_format"] == "text"
+
+
+def test_each_trajectory_is_merged_once_per_step(tmp_path, tokenizer, monkeypatch):
+    """The rows the update trains on and the rows the trajectory records show come from one merge."""
+    import agent_r1.observe.records as records
+    import agent_r1.trainer.rl as rl
+
+    calls = {"trainer": 0, "records": 0}
+
+    def counting(where, real):
+        return lambda t: calls.__setitem__(where, calls[where] + 1) or real(t)
+
+    monkeypatch.setattr(rl, "merge_trajectory", counting("trainer", rl.merge_trajectory))
+    monkeypatch.setattr(records, "merge_trajectory", counting("records", records.merge_trajectory))
+    run(toy_config(tmp_path, "steps=2", "log.trajectories_every=1"), tokenizer)
+    assert calls == {"trainer": 2 * 4 * 4, "records": 0}
