@@ -15,13 +15,12 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
-from agent_r1.config import build
 from agent_r1.env.base import StepResult
 from agent_r1.env.prompt_format import PromptFormat, prompt_format_for
 from agent_r1.env.tool_calls import CALL_OPEN, extract_answer
@@ -65,8 +64,6 @@ class ChatConfig:
     """sampling seed"""
     prompt_format: Literal["auto", "chat", "text"] = "auto"
     """chat template or plain text; auto = chat when the model has a template"""
-    retriever: str = "bm25"
-    """search tool: bm25 or dense index, or the URL of an `agent-r1 retrieval-server`"""
 
     def __post_init__(self) -> None:
         self.tools = tuple(t.strip() for item in self.tools for t in item.split(",") if t.strip())
@@ -100,6 +97,7 @@ class ChatSession:
         *,
         instructions: str = "",
         examples: list[Message] | None = None,
+        max_tool_tokens: int | None = None,
         max_turns: int = 4,
         seed: int | None = 0,
     ) -> None:
@@ -109,6 +107,7 @@ class ChatSession:
         self.sampling = sampling
         self.instructions = instructions
         self.examples = examples
+        self.max_tool_tokens = max_tool_tokens
         self.max_turns = max_turns
         self.seed = seed
         self.history: list[Message] = []  # user, assistant (tool calls included) and tool-result turns
@@ -116,8 +115,9 @@ class ChatSession:
     def make_env(self) -> ToolEnv:
         """The env of one user message; its system prompt is what a model trained with these tools saw."""
         return ToolEnv(
-            self.tools, self.format, instructions=self.instructions, examples=self.examples, max_turns=self.max_turns
-        )
+            self.tools, self.format, instructions=self.instructions, examples=self.examples,
+            max_turns=self.max_turns, max_tool_tokens=self.max_tool_tokens,
+        )  # fmt: skip
 
     def reset(self) -> None:
         self.history = []
@@ -178,39 +178,47 @@ class _WatchedEnv:
         return result
 
 
-def session_prompt(cfg: ChatConfig, tokenizer: Any, chat: bool) -> tuple[dict[str, Tool], str, list[Message]]:
-    """(tools, instructions, worked example) of the chat: the task's, as the policy saw them in training
-    (the task named by --task, else the one recorded in the model's agent_r1.json), plus --tools."""
+class ChatPrompt(NamedTuple):
+    """What the model sees around the conversation, as in training."""
+
+    tools: dict[str, Tool]
+    instructions: str
+    examples: list[Message]
+    max_tool_tokens: int | None  # each tool output cut to this many tokens, as the task's env does
+
+
+def session_prompt(cfg: ChatConfig, tokenizer: Any, chat: bool) -> ChatPrompt:
+    """The chat's tools, instructions, worked example and tool-output cut: the task's, as the policy saw
+    them in training (the task named by --task, else the one recorded in the model's agent_r1.json, with
+    the recorded options when the names match), plus --tools."""
     spec = _chat_task(cfg)
-    tools: dict[str, Tool] = {}
-    instructions, examples = cfg.system, []
-    if spec is not None:
-        env = spec.env_factory(tokenizer, chat, cfg.max_turns)()
-        if not isinstance(env, ToolEnv):
-            raise ValueError(f"task {spec.name!r} does not use a ToolEnv: chat needs tools and a system prompt")
-        tools, examples = dict(env.tools), env.examples
-        instructions = cfg.system or env.instructions
-    names = cfg.tools or (() if spec is not None else ("calculator",))
-    return tools | {t: BUILTIN_TOOLS[t] for t in names}, instructions, examples
+    if spec is None:
+        return ChatPrompt({t: BUILTIN_TOOLS[t] for t in cfg.tools or ("calculator",)}, cfg.system, [], None)
+    env = spec.env_factory(tokenizer, chat, cfg.max_turns)()
+    if not isinstance(env, ToolEnv):
+        raise ValueError(f"task {spec.name!r} does not use a ToolEnv: chat needs tools and a system prompt")
+    tools = dict(env.tools) | {t: BUILTIN_TOOLS[t] for t in cfg.tools}
+    return ChatPrompt(tools, cfg.system or env.instructions, env.examples, env.max_tool_tokens)
 
 
 def _chat_task(cfg: ChatConfig) -> TaskSpec | None:
-    if cfg.task is not None:
-        return TaskSpec(cfg.task)
-    recorded = Path(cfg.model).expanduser() / EXPORT_INFO
-    task = json.loads(recorded.read_text()).get("task") if recorded.is_file() else None
-    return TaskSpec.from_raw(task, "task", TaskSpec(task["name"]), build) if task else None
+    info = Path(cfg.model).expanduser() / EXPORT_INFO
+    recorded = json.loads(info.read_text()).get("task") if info.is_file() else None
+    if recorded and cfg.task in (None, recorded["name"]):
+        return TaskSpec.from_raw(recorded, "task", TaskSpec(recorded["name"]))
+    return TaskSpec(cfg.task) if cfg.task is not None else None
 
 
 def run_chat(cfg: ChatConfig, console: Console | None = None) -> None:
     console = console or Console(highlight=False)
     model, tokenizer = load_model(cfg.model)
     chat = resolve_chat(cfg.prompt_format, tokenizer, cfg.model)
-    tools, instructions, examples = session_prompt(cfg, tokenizer, chat)
+    prompt = session_prompt(cfg, tokenizer, chat)
     engine = LocalEngine(model, tokenizer, seed=cfg.seed)
     session = ChatSession(
-        engine, prompt_format_for(tokenizer, chat=chat), tools, cfg.sampling,
-        instructions=instructions, examples=examples, max_turns=cfg.max_turns, seed=cfg.seed,
+        engine, prompt_format_for(tokenizer, chat=chat), prompt.tools, cfg.sampling,
+        instructions=prompt.instructions, examples=prompt.examples, max_tool_tokens=prompt.max_tool_tokens,
+        max_turns=cfg.max_turns, seed=cfg.seed,
     )  # fmt: skip
     if cfg.prompt is not None:
         traj = asyncio.run(session.send(cfg.prompt))

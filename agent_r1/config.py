@@ -54,6 +54,8 @@ def load_config(cls: type[T], path: str | None = None, overrides: list[str] | No
                 raise ConfigError(f"override {item!r}: {part} is not a section")
         parsed = yaml.safe_load(value) if value else ""
         if isinstance(node.get(leaf), dict) and isinstance(parsed, str):  # `task.ops=[1]` then `task=calculator`
+            if node[leaf].get("name", parsed) != parsed:  # another task: the earlier options were the old one's
+                node[leaf] = {}
             node[leaf]["name"] = parsed
         else:
             node[leaf] = parsed
@@ -76,7 +78,7 @@ def _build(cls: type[T], raw: dict[str, Any], prefix: str) -> T:
             raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
         if hasattr(hints[key], "from_raw"):  # a section whose fields depend on its name (TaskSpec)
             try:
-                kwargs[key] = hints[key].from_raw(value, f"{prefix}{key}", _default(fields[key]), _build)
+                kwargs[key] = hints[key].from_raw(value, f"{prefix}{key}", _default(fields[key]))
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
             continue

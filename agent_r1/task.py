@@ -24,6 +24,7 @@ lazily by the task on first use, in the process that needs it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import importlib.util
 import os
@@ -70,7 +71,8 @@ def load_task(name: str) -> Any:
 def _load_file(path: Path) -> Any:
     if not path.is_file():
         raise ImportError(f"no file {path}")
-    module_name = f"agent_r1_task_{path.stem}"
+    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
+    module_name = f"agent_r1_task_{path.stem}_{digest}"  # two files of the same name stay two tasks
     if module_name in sys.modules:
         return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, path)
@@ -89,6 +91,8 @@ class TaskSpec:
     options: Any = None  # the task's Options instance (its defaults when None)
 
     def __post_init__(self) -> None:
+        if self.name.endswith(".py"):  # a file task is the same task from any working directory
+            self.name = str(Path(self.name).resolve())
         if self.options is None:
             self.options = self.module.Options()
 
@@ -115,7 +119,7 @@ class TaskSpec:
     # -- the config hooks agent_r1.config calls: `task: NAME` or `task: {name: NAME, KEY: VALUE}` ----------
 
     @classmethod
-    def from_raw(cls, value: Any, key: str, default: TaskSpec, build: Any) -> TaskSpec:
+    def from_raw(cls, value: Any, key: str, default: TaskSpec) -> TaskSpec:
         """Build from YAML/overrides; options are checked against the task's Options by `build`."""
         if isinstance(value, str):
             value = {"name": value}
@@ -144,6 +148,17 @@ class EnvFactory:
     def __call__(self) -> Env:
         fmt = prompt_format_for(self.tokenizer, chat=self.chat)
         return load_task(self.task).make_env(self.options, fmt, self.max_turns)
+
+    def __reduce__(self) -> tuple:
+        """Pickled with the options as a plain dict, rebuilt from the task's own Options on the other side:
+        a task loaded from a file has no importable module name in a fresh process, so its Options class
+        cannot be pickled by reference."""
+        fields = (self.task, dataclasses.asdict(self.options), self.tokenizer, self.chat, self.max_turns)
+        return (_rebuild_factory, fields)
+
+
+def _rebuild_factory(task: str, options: dict[str, Any], tokenizer: Any, chat: bool, max_turns: int) -> EnvFactory:
+    return EnvFactory(task, build(load_task(task).Options, options, prefix="task."), tokenizer, chat, max_turns)
 
 
 def resolve_chat(prompt_format: str, tokenizer: Any, model_name: str | None = None) -> bool:

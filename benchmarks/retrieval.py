@@ -4,7 +4,7 @@
 
 The query is the question as asked (one hop). Recall@k is the share of the two supporting paragraphs
 found in the top k, averaged over questions; "both@k" counts questions whose two paragraphs are both
-there. The corpus is the recipe's: every context paragraph of train + dev, de-duplicated by title.
+there. The corpus is the task's: every context paragraph of train + dev, de-duplicated by title.
 """
 
 from __future__ import annotations

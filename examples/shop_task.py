@@ -27,6 +27,10 @@ class Options:
     penalty: float = 0.2
     """subtracted from the reward for an answer given without looking up every price"""
 
+    def __post_init__(self) -> None:
+        if not 1 <= self.items <= len(PRICES):
+            raise ValueError(f"task.items must be in 1..{len(PRICES)}, got {self.items}")
+
 
 @tool(timeout=1.0)
 def price(item: str) -> float:

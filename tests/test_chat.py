@@ -101,11 +101,14 @@ def test_chat_sees_the_tools_and_instructions_of_its_task(tokenizer):
     from agent_r1.chat import ChatConfig, session_prompt
     from agent_r1.tasks import hotpotqa
 
-    tools, instructions, examples = session_prompt(ChatConfig(task="hotpotqa", tools=("calculator",)), tokenizer, True)
+    tools, instructions, examples, cut = session_prompt(
+        ChatConfig(task="hotpotqa", tools=("calculator",)), tokenizer, True
+    )
     assert list(tools) == ["search", "calculator"] and instructions == hotpotqa.INSTRUCTIONS and examples == []
+    assert cut == hotpotqa.Options().max_tool_tokens  # search results are cut as in training
     assert tools["search"].fn("Tinted Windows band").startswith("Doc 1 (Title: Tinted Windows")
-    tools, instructions, _ = session_prompt(ChatConfig(), tokenizer, True)  # no task: the calculator alone
-    assert list(tools) == ["calculator"] and instructions == ""
+    tools, instructions, _, cut = session_prompt(ChatConfig(), tokenizer, True)  # no task: the calculator alone
+    assert list(tools) == ["calculator"] and instructions == "" and cut is None
 
 
 def test_chat_uses_the_task_recorded_with_a_trained_policy(tmp_path, tokenizer):
@@ -117,8 +120,12 @@ def test_chat_uses_the_task_recorded_with_a_trained_policy(tmp_path, tokenizer):
 
     task = {"name": "calculator", "ops": [1], "few_shot": True, "format_weight": 0.0, "data": None}
     (tmp_path / "agent_r1.json").write_text(json.dumps({"prompt_format": "chat", "task": task}))
-    tools, instructions, examples = session_prompt(ChatConfig(model=str(tmp_path)), tokenizer, True)
+    tools, instructions, examples, _ = session_prompt(ChatConfig(model=str(tmp_path)), tokenizer, True)
     assert list(tools) == ["calculator"] and instructions == calculator.INSTRUCTIONS
     assert examples == calculator.EXAMPLE  # few_shot=True was recorded: the worked example is shown too
-    _, system, _ = session_prompt(ChatConfig(model=str(tmp_path), system="Be brief."), tokenizer, True)
-    assert system == "Be brief."
+    assert (
+        session_prompt(ChatConfig(model=str(tmp_path), system="Be brief."), tokenizer, True).instructions == "Be brief."
+    )
+    task["few_shot"] = False  # recorded options apply when --task names the recorded task too
+    (tmp_path / "agent_r1.json").write_text(json.dumps({"prompt_format": "chat", "task": task}))
+    assert session_prompt(ChatConfig(model=str(tmp_path), task="calculator"), tokenizer, True).examples == []

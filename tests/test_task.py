@@ -51,10 +51,23 @@ def test_task_options_are_typed_and_checked_under_the_task_key():
             load_config(EvalConfig, None, overrides)
 
 
-def test_a_task_can_be_a_file(tmp_path):
+def test_a_task_can_be_a_file_and_its_env_factory_still_ships(tmp_path, tokenizer, monkeypatch):
+    import sys
+
     path = tmp_path / "my_task.py"
     path.write_text(Path(load_task("examples.shop_task").__file__).read_text())
-    assert TaskSpec(str(path)).tasks("train", 2) == TaskSpec("examples.shop_task").tasks("train", 2)
+    monkeypatch.chdir(tmp_path)
+    spec = load_config(EvalConfig, None, ["task=my_task.py", "task.items=3"]).task
+    assert spec.name == str(path) and spec.tasks("train", 2) == TaskSpec("examples.shop_task").with_options(
+        {"items": 3}
+    ).tasks("train", 2)
+    factory = spec.env_factory(tokenizer, chat=True, max_turns=2)
+    task = spec.tasks("train", 1)[0]
+    blob = pickle.dumps(factory)
+    module = type(spec.options).__module__
+    monkeypatch.delitem(sys.modules, module)  # what a fresh process has: no module of that name
+    restored = pickle.loads(blob)
+    assert restored.options.items == 3 and first_prompt(restored, task) == first_prompt(factory, task)
 
 
 def test_the_example_task_trains_through_the_cli_with_no_edit_to_the_package(tmp_path, tokenizer, tiny_model_dir):

@@ -129,6 +129,9 @@ def rloo(step_rewards: list[Tensor], group_ids: Sequence[str]) -> list[Tensor]:
     return _per_step(adv, step_rewards)
 
 
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")  # baselines from a task's other samples
+
+
 @torch.no_grad()
 def outcome_advantages(
     estimator: str, step_rewards: list[Tensor], group_ids: Sequence[str], step_tokens: list[Tensor], gamma: float

@@ -52,7 +52,7 @@ class JsonlLogger:
         if not self.path.is_file():
             return
         lines = [x for x in self.path.read_text().splitlines() if x.strip()]
-        kept = [x for x in lines if json.loads(x).get("step", 0) <= step]
+        kept = [x for x in lines if _step_of(x) <= step]  # a line cut by the kill has no step: dropped
         if len(kept) != len(lines):
             tmp = self.path.with_name(f".{self.path.name}.tmp")
             tmp.write_text("".join(x + "\n" for x in kept))
@@ -63,6 +63,13 @@ class JsonlLogger:
 
     def close(self) -> None:
         pass
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line).get("step", 0)
+    except json.JSONDecodeError:
+        return math.inf
 
 
 class TensorBoardLogger:

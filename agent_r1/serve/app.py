@@ -68,6 +68,7 @@ class ServedModel:
     name: str  # the id clients put in "model"
     request_timeout: float = 300.0  # seconds before a request is cancelled and answered with a 504
     default_max_tokens: int = 512  # chat completions without max_tokens get at most this many
+    allow_weight_updates: bool = False  # /v1/load_weights replaces the model: only for a trainer's own server
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -162,6 +163,8 @@ class _API:
     async def load_weights(self, body: LoadWeightsRequest) -> dict[str, Any]:
         """Read the file, then copy it in between two batches: a 400 names the first bad tensor, and
         refused weights leave the served ones untouched."""
+        if not self.s.allow_weight_updates:
+            raise APIError(403, "weight updates are off: start agent-r1 serve with allow_weight_updates=true")
         async with self._loading:
             tensors = await asyncio.to_thread(_read_safetensors, body.path)
             try:

@@ -41,6 +41,9 @@ class ServeConfig:
     """chat template or plain text; auto = chat when the model has a template"""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """uvicorn log level"""
+    allow_weight_updates: bool = False
+    """accept POST /v1/load_weights (a trainer's rollout server, rollout.engine=remote): any client that
+    reaches the server can then replace its weights"""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -66,6 +69,7 @@ def run_serve(cfg: ServeConfig) -> None:
     served = ServedModel(
         engine, tokenizer, prompt_format_for(tokenizer, chat=chat), cfg.served_name,
         request_timeout=cfg.request_timeout, default_max_tokens=cfg.max_tokens,
+        allow_weight_updates=cfg.allow_weight_updates,
     )  # fmt: skip
     sock = socket.create_server((cfg.host, cfg.port), reuse_port=False)
     host, port = sock.getsockname()[:2]

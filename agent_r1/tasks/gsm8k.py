@@ -20,7 +20,7 @@ from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.env.tool_calls import format_tool_responses
 from agent_r1.env.tool_env import ToolEnv
 from agent_r1.tasks import calculator
-from agent_r1.tasks.calculator import calculator_result, reward, tool_call_text  # noqa: F401 (reward: the task's)
+from agent_r1.tasks.calculator import calculator_result, tool_call_text
 from agent_r1.types import Message
 
 DEFAULT_PATH = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "gsm8k" / "train.jsonl"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from agent_r1.algos.advantages import GROUP_ESTIMATORS
 from agent_r1.models.lora import LoraConfig
 from agent_r1.observe.health import HealthConfig
 from agent_r1.observe.loggers import LogConfig
@@ -78,6 +79,13 @@ class AlgoConfig:
     """PRIME-style: divide process rewards by the batch max of |reverse cumulative sum|"""
     process_reward_weight: float = 1.0
     """weight of process (per-step / per-tool-call) rewards next to the outcome reward"""
+
+    def clip_range(self) -> tuple[float, float]:
+        """(clip_low, clip_high), each the loss's default when unset: sequence-level ratios sit near 1, so
+        GSPO's paper clips them at 3e-4 / 4e-4; token-level PPO uses 0.2 / 0.28 (DAPO's clip-higher)."""
+        low, high = (3e-4, 4e-4) if self.policy_loss == "gspo" else (0.2, 0.28)
+        return (low if self.clip_low is None else self.clip_low, high if self.clip_high is None else self.clip_high)
+
     critic: Literal["head", "separate"] = "head"
     """PPO critic: a value head on the policy backbone, or a separate copy of the model"""
     vf_coef: float = 0.5
@@ -160,7 +168,7 @@ class TrainConfig:
             (self.steps >= 1, f"steps must be >= 1, got {self.steps}"),
             (r.tasks_per_step >= 1, f"rollout.tasks_per_step must be >= 1, got {r.tasks_per_step}"),
             (
-                r.group_size >= 2 or a.estimator not in ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline"),
+                r.group_size >= 2 or a.estimator not in GROUP_ESTIMATORS,
                 f"algo.estimator={a.estimator} compares samples of a task: rollout.group_size must be >= 2",
             ),
             (a.dual_clip is None or a.dual_clip > 1, f"algo.dual_clip must be > 1, got {a.dual_clip}"),
@@ -171,6 +179,11 @@ class TrainConfig:
                 "at the sampling temperature (greedy decoding has no log-probs to train on)",
             ),
             (r.engine == "local" or r.url, "rollout.engine=remote needs rollout.url (the server's base URL)"),
+            (
+                not (self.val.every and getattr(self.task.options, "data", None) and "data" not in self.val.task),
+                "task.data is used whole, for every split: validating on it would select on training tasks; "
+                "give val.task.data (a validation file) too",
+            ),
             (0 <= a.gamma <= 1 and 0 <= a.lam <= 1, "algo.gamma and algo.lam must be in [0, 1]"),
             (a.epochs >= 1 and a.mini_batches >= 1, "algo.epochs and algo.mini_batches must be >= 1"),
             (a.kl_coef >= 0, f"algo.kl_coef must be >= 0, got {a.kl_coef}"),
@@ -183,8 +196,5 @@ class TrainConfig:
             if not ok:
                 raise ValueError(message)
         r.sampling()  # validates temperature, top_p, max_new_tokens
-        gspo = a.policy_loss == "gspo"  # sequence-level ratios sit near 1: GSPO's paper clips at 3e-4 / 4e-4
-        a.clip_low = a.clip_low if a.clip_low is not None else (3e-4 if gspo else 0.2)
-        a.clip_high = a.clip_high if a.clip_high is not None else (4e-4 if gspo else 0.28)
         self.val.task = {**self.val.task}
         self.task.with_options(self.val.task, prefix="val.task.")  # an unknown or bad validation option fails now

@@ -83,6 +83,8 @@ def set_gae(
             continue
         n = where.step_tokens[ti]  # [K]
         token_r = adv_fns.rewards_on_last_token([step_rewards[ti]], [n])[0]  # [S]
+        if not len(token_r):  # no sampled token (empty responses): nothing to credit
+            continue
         ends = torch.zeros(len(token_r), dtype=torch.bool)
         ends[(n.long().cumsum(0) - 1).clamp(min=0)] = True  # [S] last token of each step
         values = torch.cat([row.old_values[row.mask.bool()] for row, _ in parts])  # [S]

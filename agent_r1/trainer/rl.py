@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,6 @@ from agent_r1.trainer.validation import make_validator
 from agent_r1.types import Termination, Trajectory
 from agent_r1.utils.progress import progress_bar
 
-GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")
 RESUMABLE_CHANGES = ("steps", "resume", "save_every", "keep_last", "run_dir", "log", "health")
 
 
@@ -145,8 +145,11 @@ def train(
             # 3. rows (merged once), reference log-probs, old values ---------------------------------------
             sequences = [merge_trajectory(t) for t in trajs]
             rows, where = build_rows(train_trajs, [sequences[i] for i in kept])
-            skip = cfg.algo.zero_variance_groups == "skip" and cfg.algo.estimator in GROUP_ESTIMATORS
-            trained = [not (skip and groups[ti] in zero_var) for ti in where.row_owner]
+            dropped: set[str] = set()  # groups without a group-relative signal
+            if cfg.algo.estimator in adv_fns.GROUP_ESTIMATORS:
+                alone = {g for g, n in Counter(groups).items() if n == 1}  # the rest errored: no baseline
+                dropped = alone | (zero_var if cfg.algo.zero_variance_groups == "skip" else set())
+            trained = [groups[ti] not in dropped for ti in where.row_owner]
             kl_reward = 0.0
             if ref is not None and cfg.algo.kl_mode == "reward":  # the KL is part of every return
                 fill_ref_logprobs(ref, rows, cfg.optim.micro_batch_tokens, cfg.rollout.temperature)
@@ -177,7 +180,8 @@ def train(
             t3 = time.perf_counter()
 
             # 6. weight sync: the next rollout samples from the new policy -----------------------------
-            engine.sync_weights(policy)
+            if update["updates"]:
+                engine.sync_weights(policy)
             t4 = time.perf_counter()
 
             # 7. log, validate, checkpoint -----------------------------------------------------------

@@ -1,7 +1,7 @@
 """A step's trajectories as training rows: merged once, with an index from rows back to steps.
 
-`build_rows` merges each trajectory's steps into rows (`rollout.merge`) and keeps both forms: the
-`TrainSequence`s that the trajectory records show, and the tensor `Row`s the update trains on. Step-level
+`build_rows` turns each trajectory's merged rows (`rollout.merge`, merged once by the trainer) into
+the tensor `Row`s the update trains on; the trajectory records show the same merged rows. Step-level
 quantities (rewards, advantages, KL) move between the two through `RowIndex`.
 """
 
@@ -15,7 +15,6 @@ import torch
 from agent_r1.algos.advantages import token_advantages
 from agent_r1.algos.losses import kl_penalty
 from agent_r1.observe.records import trajectory_records, write_records
-from agent_r1.rollout.merge import merge_trajectory
 from agent_r1.trainer.batching import Row, pack, token_logprobs
 from agent_r1.types import TrainSequence, Trajectory
 
@@ -29,12 +28,9 @@ class RowIndex:
     step_tokens: list[torch.Tensor]  # per trajectory [K_i]: sampled tokens of each step
 
 
-def build_rows(
-    trajs: list[Trajectory], sequences: list[list[TrainSequence]] | None = None
-) -> tuple[list[Row], RowIndex]:
-    """Rows of every trajectory (from `sequences[i]`, its merged rows, when already merged), with one
-    segment id per step response (GSPO's sequences, the seq-mean aggregations)."""
-    sequences = sequences if sequences is not None else [merge_trajectory(t) for t in trajs]
+def build_rows(trajs: list[Trajectory], sequences: list[list[TrainSequence]]) -> tuple[list[Row], RowIndex]:
+    """Rows of every trajectory from `sequences[i]`, its merged rows, with one segment id per step
+    response (GSPO's sequences, the seq-mean aggregations)."""
     rows, owners, step_idx = [], [], []
     seg_base = 0
     for ti, (t, seqs) in enumerate(zip(trajs, sequences, strict=True)):

@@ -36,6 +36,7 @@ def policy_update(
     policy.train()
     norm_len = float(cfg.rollout.max_new_tokens)  # Dr.GRPO's constant: a "sequence" is one step's response
     policy_loss_fn = gspo_policy_loss if a.policy_loss == "gspo" else ppo_policy_loss
+    clip_low, clip_high = a.clip_range()
     drift: list[torch.Tensor] = []  # |trainer - rollout| log-prob of sampled tokens, before any update
     for epoch in range(a.epochs):
         order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg.seed * 7919 + step * 31 + epoch))
@@ -54,7 +55,7 @@ def policy_update(
                     hidden=critic is not None and critic.shared,
                 )  # fmt: skip
                 loss, m = policy_loss_fn(
-                    logp, mb.old_logp, mb.adv, mb.mask, mb.seg, clip_low=a.clip_low, clip_high=a.clip_high,
+                    logp, mb.old_logp, mb.adv, mb.mask, mb.seg, clip_low=clip_low, clip_high=clip_high,
                     dual_clip=a.dual_clip, agg=a.loss_agg, n_tokens=n_tokens, n_seqs=n_seqs, norm_len=norm_len,
                 )  # fmt: skip
                 if a.kl_coef > 0 and a.kl_mode == "loss":

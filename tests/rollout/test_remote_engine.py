@@ -144,7 +144,9 @@ def greedy(engine, prompt: list[int], n: int = 8):
 def tiny_server(tokenizer):
     """`agent-r1 serve`'s app on loopback (uvicorn in a thread) serving tiny model A: (url, its engine)."""
     engine = LocalEngine(tiny(tokenizer, seed=0), tokenizer, max_context=1024)
-    with serving(create_app(ServedModel(engine, tokenizer, ChatFormat(tokenizer), "tiny-a"))) as url:
+    with serving(
+        create_app(ServedModel(engine, tokenizer, ChatFormat(tokenizer), "tiny-a", allow_weight_updates=True))
+    ) as url:
         yield url, engine
 
 

@@ -247,7 +247,7 @@ def tiny(tokenizer, seed: int):
 @pytest.fixture
 def tiny_served(tokenizer):
     engine = LocalEngine(tiny(tokenizer, seed=3), tokenizer, max_context=256, seed=0)
-    return ServedModel(engine, tokenizer, ChatFormat(tokenizer), NAME, request_timeout=60.0)
+    return ServedModel(engine, tokenizer, ChatFormat(tokenizer), NAME, request_timeout=60.0, allow_weight_updates=True)
 
 
 @pytest.fixture
@@ -345,3 +345,11 @@ async def test_bad_weights_are_a_400_and_the_served_weights_stay(
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # nothing half-loaded
     assert await weights_version(tiny_client) == 0
     assert await greedy_ids(tiny_client, prompt) == served_ids  # still serving, the same weights
+
+
+async def test_load_weights_is_refused_unless_the_server_allows_it(client, tokenizer, tmp_path):
+    """A plain `agent-r1 serve` (allow_weight_updates off) never lets a client replace its model."""
+    r = await client.post(
+        "/v1/load_weights", json={"path": weights_file(tmp_path / "w.safetensors", tiny(tokenizer, 4))}
+    )
+    assert r.status_code == 403 and "allow_weight_updates=true" in r.json()["error"]["message"]

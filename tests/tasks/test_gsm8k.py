@@ -1,4 +1,4 @@
-from agent_r1.tasks import gsm8k
+from agent_r1.tasks import calculator, gsm8k
 from agent_r1.tasks.gsm8k import demo as gsm8k_demo
 
 
@@ -28,5 +28,5 @@ def test_most_training_solutions_become_tool_demonstrations():
 
 def test_reward_matches_the_final_number():
     task = gsm8k.load(n=1)[0]
-    assert gsm8k.reward(task, "so <answer>72</answer>")[0] == 1.0
-    assert gsm8k.reward(task, "<answer>71</answer>")[0] == 0.0
+    assert calculator.reward(task, "so <answer>72</answer>")[0] == 1.0  # gsm8k's env uses the calculator's
+    assert calculator.reward(task, "<answer>71</answer>")[0] == 0.0

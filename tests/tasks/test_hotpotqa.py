@@ -1,4 +1,4 @@
-"""The HotpotQA recipe on the shared data: splits, the pooled corpus, demonstrations, and a tiny-model run."""
+"""The HotpotQA task on the shared data: splits, the pooled corpus, demonstrations, and a tiny-model run."""
 
 import pytest
 

@@ -332,10 +332,10 @@ def test_zero_variance_is_judged_on_the_task_reward_not_on_kl_shaped_returns(tmp
 def test_training_refuses_greedy_sampling_and_gspo_gets_its_own_clip_range(tmp_path):
     with pytest.raises(ValueError, match=r"rollout\.temperature must be > 0 for training"):
         toy_config(tmp_path, "rollout.temperature=0")
-    assert (toy_config(tmp_path).algo.clip_low, toy_config(tmp_path).algo.clip_high) == (0.2, 0.28)
-    gspo = toy_config(tmp_path, "algo.policy_loss=gspo").algo
-    assert (gspo.clip_low, gspo.clip_high) == (3e-4, 4e-4)
-    assert toy_config(tmp_path, "algo.policy_loss=gspo", "algo.clip_high=1e-3").algo.clip_high == 1e-3
+    assert toy_config(tmp_path).algo.clip_range() == (0.2, 0.28)
+    assert toy_config(tmp_path, "algo.policy_loss=gspo").algo.clip_range() == (3e-4, 4e-4)
+    assert toy_config(tmp_path, "algo.policy_loss=gspo", "algo.clip_high=1e-3").algo.clip_range() == (3e-4, 1e-3)
+    assert toy_config(tmp_path).algo.clip_low is None  # unset stays unset: a saved config can switch loss
 
 
 class Killed(Exception):
@@ -406,7 +406,9 @@ def test_training_through_a_remote_engine_syncs_the_weights_every_step(tmp_path,
     from tests.conftest import serving
 
     served = LocalEngine(tiny_model(seed=3), tokenizer, max_context=1024)
-    with serving(create_app(ServedModel(served, tokenizer, ChatFormat(tokenizer), "toy"))) as url:
+    with serving(
+        create_app(ServedModel(served, tokenizer, ChatFormat(tokenizer), "toy", allow_weight_updates=True))
+    ) as url:
         cfg = toy_config(tmp_path, "steps=2", "rollout.engine=remote", f"rollout.url={url}")
         _, hist = run(cfg, tokenizer)
         version = httpx.get(f"{url}/v1/models").json()["data"][0]["weights_version"]
@@ -440,3 +442,37 @@ def test_each_trajectory_is_merged_once_per_step(tmp_path, tokenizer, monkeypatc
     monkeypatch.setattr(records, "merge_trajectory", counting("records", records.merge_trajectory))
     run(toy_config(tmp_path, "steps=2", "log.trajectories_every=1"), tokenizer)
     assert calls == {"trainer": 2 * 4 * 4, "records": 0}
+
+
+def test_dr_grpo_normalises_by_one_steps_token_budget(tmp_path, tokenizer, monkeypatch):
+    """A "sequence" of the seq-mean aggregations is one step's response, so Dr.GRPO's constant is one
+    step's budget, rollout.max_new_tokens (6), not the episode's (6 x 3 turns)."""
+    import agent_r1.trainer.update as update
+
+    seen = []
+    real = update.ppo_policy_loss
+    monkeypatch.setattr(update, "ppo_policy_loss", lambda *a, **k: seen.append(k["norm_len"]) or real(*a, **k))
+    cfg = toy_config(tmp_path, "steps=1", "algo.estimator=drgrpo", "algo.loss_agg=seq-mean-token-sum-norm",
+                     "rollout.max_turns=3", "algo.zero_variance_groups=keep")  # fmt: skip
+    run(cfg, tokenizer)
+    assert seen and set(seen) == {6.0}
+
+
+def test_the_saved_config_loads_back_and_can_switch_task(tmp_path, tokenizer):
+    from agent_r1.config import load_config
+    from agent_r1.trainer.config import TrainConfig
+
+    cfg = toy_config(tmp_path, "steps=1", "task.ops=[2,3]", "val.task.ops=[1]", "algo.policy_loss=gspo")
+    run(cfg, tokenizer)
+    saved = tmp_path / "run/config.yaml"
+    assert load_config(TrainConfig, str(saved)) == cfg
+    other = load_config(TrainConfig, str(saved), ["task=gsm8k", "val.task={}"])  # the file's ops were calculator's
+    assert other.task.name == "gsm8k" and other.algo.clip_range() == (3e-4, 4e-4)
+
+
+def test_validation_never_runs_silently_on_the_training_file(tmp_path):
+    data = tmp_path / "tasks.jsonl"
+    data.write_text('{"question": "q", "answer": 1}\n')
+    with pytest.raises(ValueError, match=r"give val\.task\.data"):
+        toy_config(tmp_path, f"task.data={data}", "val.every=2")
+    assert toy_config(tmp_path, f"task.data={data}", "val.every=2", f"val.task.data={data}").val.every == 2
