@@ -137,7 +137,7 @@ def train(
                 torch.tensor([t.outcome for t in train_trajs], dtype=torch.float64),
                 cfg.algo.process_reward_weight,
                 cfg.algo.process_reward_norm,
-            )  # fmt: skip (list over trajectories of [K_i])
+            )  # list over trajectories of [K_i]
             groups = [t.group_id for t in train_trajs]
             returns = torch.stack([r.sum() for r in rewards]) if rewards else torch.zeros(0)  # [N] task reward
             zero_var = zero_variance_groups(returns, groups)
