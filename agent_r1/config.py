@@ -8,6 +8,7 @@ values are checked against the field types, so a typo fails at start, never hour
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import dataclasses
 import difflib
@@ -73,7 +74,7 @@ def _build(cls: type[T], raw: dict[str, Any], prefix: str) -> T:
     kwargs = {}
     for key, value in raw.items():
         if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1) or _in_a_section(key, fields)
+            close = _in_a_section(key, fields, raw) or difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(fields)}"
             raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
         if hasattr(hints[key], "from_raw"):  # a section whose fields depend on its name (TaskSpec)
@@ -89,10 +90,16 @@ def _build(cls: type[T], raw: dict[str, Any], prefix: str) -> T:
         raise ConfigError(str(exc)) from None
 
 
-def _in_a_section(key: str, fields: dict[str, dataclasses.Field]) -> list[str]:
-    """`section.key` when `key` is a field of one of the sections (e.g. `data` -> `task.data`)."""
+def _in_a_section(key: str, fields: dict[str, dataclasses.Field], raw: dict[str, Any]) -> list[str]:
+    """`section.key` when `key` is a field of one of the sections (e.g. `data` -> `task.data`); a task's
+    section has the options of the task `raw` names (`task=hotpotqa retriever=dense` -> `task.retriever`)."""
     for name, f in fields.items():
         default = _default(f)
+        named = raw.get(name)
+        named = named.get("name") if isinstance(named, dict) else named
+        if hasattr(default, "from_raw") and isinstance(named, str):
+            with contextlib.suppress(ValueError):  # an unknown task is reported on its own
+                default = type(default)(named)
         section = getattr(default, "options", default)  # a task's options, or a plain section
         if dataclasses.is_dataclass(section) and key in {g.name for g in dataclasses.fields(section)}:
             return [f"{name}.{key}"]

@@ -17,7 +17,7 @@ from agent_r1.data import Split
 from agent_r1.env.base import Env
 from agent_r1.models.loading import load_model
 from agent_r1.observe.records import trajectory_records, write_records
-from agent_r1.rollout.agent_loop import AgentEnvLoop, summarize
+from agent_r1.rollout.agent_loop import AgentEnvLoop, correct, summarize
 from agent_r1.rollout.engine import Engine, SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.task import TaskSpec, resolve_chat
@@ -93,13 +93,12 @@ def evaluate(
     """Roll every task out `group_size` times; summary metrics plus `accuracy`, `episodes`, `errors`
     (the share that ended in an exception) and `seconds`.
 
-    Accuracy is the mean `reward/correct` part when the reward reports one (the format bonus must
-    not count), else the share of episodes whose outcome reward is >= 1."""
+    Accuracy is the share of episodes that solved their task (`agent_loop.correct`)."""
     start = time.perf_counter()
     trajs = AgentEnvLoop(engine, make_env, sampling, seed=seed).run_sync(tasks, group_size)
     metrics = summarize(trajs)
     metrics["seconds"] = time.perf_counter() - start
-    metrics["accuracy"] = metrics.get("reward/correct", sum(t.outcome >= 1.0 for t in trajs) / len(trajs))
+    metrics["accuracy"] = sum(map(correct, trajs)) / len(trajs)
     metrics["episodes"] = float(len(trajs))
     metrics["errors"] = sum(t.termination == Termination.ERROR for t in trajs) / len(trajs)
     return metrics | accuracy_by_kind(trajs, kind_key), trajs
@@ -112,8 +111,7 @@ def accuracy_by_kind(trajs: list[Trajectory], key: str | None) -> dict[str, floa
         return {}
     hits: dict[str, list[float]] = {}
     for t in trajs:
-        correct = t.metrics.get("reward/correct", float(t.outcome >= 1.0))
-        hits.setdefault(f"accuracy/{key}={t.task[key]}", []).append(correct)
+        hits.setdefault(f"accuracy/{key}={t.task[key]}", []).append(correct(t))
     return {k: sum(v) / len(v) for k, v in sorted(hits.items())}
 
 

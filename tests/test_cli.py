@@ -11,6 +11,10 @@ from agent_r1.cli import main
         (["eval", "model=/no/such/model"], "model not found: '/no/such/model'"),
         (["eval", "task.data=/no/such/file.jsonl"], "cannot read data file /no/such/file.jsonl"),
         (["eval", "data=/no/such/file.jsonl"], "unknown config key 'data'; did you mean 'task.data'?"),
+        (
+            ["eval", "task=hotpotqa", "retriever=dense"],
+            "unknown config key 'retriever'; did you mean 'task.retriever'?",
+        ),
         (["eval", "task=no_such_task"], "task 'no_such_task' cannot be imported"),
         (["eval", "temprature=0.5"], "did you mean 'temperature'?"),
         (["eval", "num_tasks=0"], "num_tasks and group_size must be >= 1"),

@@ -110,6 +110,12 @@ def trajectory_metrics(traj: Trajectory) -> dict[str, float]:
     }
 
 
+def correct(traj: Trajectory) -> float:
+    """Whether the episode solved its task: the reward's `correct` part when it reports one (a format
+    bonus must not count), else whether the outcome reward reached 1."""
+    return traj.metrics.get("reward/correct", float(traj.outcome >= 1.0))
+
+
 def summarize(trajs: list[Trajectory]) -> dict[str, float]:
     """Batch means of the per-trajectory metrics, plus the share of each termination reason."""
     if not trajs:

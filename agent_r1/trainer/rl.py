@@ -39,7 +39,7 @@ from agent_r1.observe.health import HealthMonitor
 from agent_r1.observe.loggers import Loggers
 from agent_r1.observe.plot import plot_metrics, read_metrics
 from agent_r1.observe.records import step_path
-from agent_r1.rollout.agent_loop import AgentEnvLoop, summarize
+from agent_r1.rollout.agent_loop import AgentEnvLoop, correct, summarize
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.merge import merge_trajectory
 from agent_r1.rollout.remote_engine import RemoteEngine
@@ -229,11 +229,10 @@ def _engine(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, run_dir: 
 def _rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
     m = summarize(trajs)
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
-    accuracy = m.get("reward/correct", sum(t.outcome >= 1.0 for t in trajs) / max(1, len(trajs)))
     return m | {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()) if len(trajs) > 1 else 0.0,
-        "accuracy": accuracy,
+        "accuracy": sum(map(correct, trajs)) / max(1, len(trajs)),
     }
 
 
