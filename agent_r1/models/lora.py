@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,13 @@ class LoraConfig:
     """dropout on the adapter input"""
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     """module names that get adapters"""
+
+
+def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the policy as a plain model: LoRA adapters folded into the weights (peft's
+    `merge_and_unload`), tied weights still tied; the trainer's model is left untouched."""
+    copied = copy.deepcopy(model)
+    return copied.merge_and_unload() if hasattr(copied, "merge_and_unload") else copied
 
 
 def with_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from agent_r1.models.lora import merged_copy
+
 if TYPE_CHECKING:
     import torch
 
@@ -63,45 +65,9 @@ class Engine(Protocol):
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """`model`'s weights under the plain model's names, what an engine serving the plain model loads.
-
-    For a peft LoRA model the active adapters are merged in: each LoRA layer's base weight (and bias)
-    is merged by peft's own `merge()` into a copy, so the result equals `merge_and_unload()`'s state
-    dict bit for bit, and `model` is left untouched (merging and unmerging in place would drift the
-    base weights by rounding at every sync). The adapters' own tensors are dropped, `base_layer.` is
-    removed from names. Unmerged tensors are the model's own (no copy); tied weights stay aliased.
-    """
-    if not hasattr(model, "get_base_model"):  # not a peft model
-        return model.state_dict()
-    import torch
-    from peft.tuners.lora import LoraLayer
-
-    base = model.get_base_model()
-    state = base.state_dict()
-    for path, layer in base.named_modules():
-        if not isinstance(layer, LoraLayer):
-            continue
-        prefix = f"{path}."
-        for name in [k for k in state if k.startswith(prefix) and not k.startswith(f"{prefix}base_layer.")]:
-            del state[name]  # lora_A, lora_B, ...: folded into the base weight below
-        if layer.disable_adapters or not set(layer.active_adapters) - set(layer.merged_adapters):
-            continue  # the base weight is already what the layer computes with
-        params = [(n, p) for n, p in layer.named_parameters() if n.startswith("base_layer.")]
-        originals, merged_before = [p.data for _, p in params], list(layer.merged_adapters)
-        try:
-            for _, p in params:
-                p.data = p.data.clone()
-            with torch.no_grad():
-                layer.merge()  # merges the active adapters not merged yet, into the clones
-            state.update({prefix + n: p.data for n, p in params})
-        finally:
-            for (_, p), data in zip(params, originals, strict=True):
-                p.data = data
-            layer.merged_adapters[:] = merged_before
-    names = {k: k.replace(".base_layer.", ".") for k in state}
-    if leftover := next((k for k in names.values() if ".modules_to_save." in k or ".original_module." in k), None):
-        raise ValueError(f"cannot sync peft modules_to_save weights ({leftover}): merge the model first")
-    return {names[k]: v for k, v in state.items()}
+    """`model`'s weights under the plain model's names, what an engine serving the plain model loads:
+    a peft LoRA policy's merged copy (as export writes it), else the model's own tensors (no copy)."""
+    return merged_copy(model).state_dict() if hasattr(model, "merge_and_unload") else model.state_dict()
 
 
 def alias_key(t: torch.Tensor) -> tuple:

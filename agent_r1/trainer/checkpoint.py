@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from agent_r1.models.loading import EXPORT_INFO
+from agent_r1.models.lora import merged_copy
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
@@ -137,12 +138,8 @@ def export_policy(
     `info` becomes its agent_r1.json (prompt format, task, tool-call format: how chat, serve and eval
     must prompt it). `extra` files (name -> text, e.g. best.json) are written inside the same atomic
     rename, so the directory never holds weights without the notes that describe them."""
-    import copy
-
     out = Path(out_dir)
-    policy = copy.deepcopy(model)
-    if hasattr(policy, "merge_and_unload"):  # a peft model: fold the adapters into the weights
-        policy = policy.merge_and_unload()
+    policy = merged_copy(model)
     tmp = Path(tempfile.mkdtemp(dir=out.parent if out.parent.exists() else None, prefix=".export-"))
     try:
         policy.save_pretrained(tmp)
