@@ -26,6 +26,7 @@ from agent_r1.env.prompt_format import PromptFormat, prompt_format_for
 from agent_r1.env.tool_calls import CALL_OPEN, extract_answer
 from agent_r1.env.tool_env import ToolEnv
 from agent_r1.models.loading import EXPORT_INFO, load_model
+from agent_r1.models.precision import Device, Precision
 from agent_r1.rollout.agent_loop import AgentEnvLoop
 from agent_r1.rollout.engine import Engine, GenerateOutput, SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
@@ -41,6 +42,10 @@ COMMANDS = {"/reset": "forget the conversation", "/tools": "list the tools", "/e
 class ChatConfig:
     model: str = "default"
     """"default", a bundled model name, a Hugging Face directory or an `agent-r1 export` directory"""
+    device: Device = "auto"
+    """where the model runs: auto = cuda when a GPU is visible, else cpu"""
+    dtype: Precision = "fp32"
+    """weights and compute in fp32, or in bf16 (a GPU choice: half the memory)"""
     task: str | None = None
     """the task whose tools, instructions and worked example the model sees (calculator, hotpotqa, an import
     path); None = the task recorded in the model's agent_r1.json (what it was trained on), if any"""
@@ -211,7 +216,7 @@ def _chat_task(cfg: ChatConfig) -> TaskSpec | None:
 
 def run_chat(cfg: ChatConfig, console: Console | None = None) -> None:
     console = console or Console(highlight=False)
-    model, tokenizer = load_model(cfg.model)
+    model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     chat = resolve_chat(cfg.prompt_format, tokenizer, cfg.model)
     prompt = session_prompt(cfg, tokenizer, chat)
     engine = LocalEngine(model, tokenizer, seed=cfg.seed)

@@ -16,6 +16,7 @@ from rich.table import Table
 from agent_r1.data import Split
 from agent_r1.env.base import Env
 from agent_r1.models.loading import load_model
+from agent_r1.models.precision import Device, Precision
 from agent_r1.observe.records import trajectory_records, write_records
 from agent_r1.rollout.agent_loop import AgentEnvLoop, correct, summarize
 from agent_r1.rollout.engine import Engine, SamplingParams
@@ -30,6 +31,10 @@ ERROR_WARNING = 0.5  # above this share of errored episodes, the accuracy says n
 class EvalConfig:
     model: str = "default"
     """"default", a bundled model (smollm2-135m-instruct, gemma3-270m) or a Hugging Face directory"""
+    device: Device = "auto"
+    """where the model runs: auto = cuda when a GPU is visible, else cpu"""
+    dtype: Precision = "fp32"
+    """weights and compute in fp32, or in bf16 (a GPU choice: half the memory)"""
     task: TaskSpec = field(default_factory=TaskSpec)
     """calculator, gsm8k, hotpotqa, or an import path (my_pkg.my_task); its options: task.KEY=VALUE"""
     split: Split = "test"
@@ -70,7 +75,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str,
     tasks = cfg.task.tasks(cfg.split, cfg.num_tasks, cfg.seed)  # a bad data file fails before the model loads
     if not tasks:
         raise ValueError(f"task {cfg.task.name!r} has no {cfg.split} tasks")
-    model, tokenizer = load_model(cfg.model)
+    model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     make_env = cfg.task.env_factory(tokenizer, resolve_chat(cfg.prompt_format, tokenizer, cfg.model), cfg.max_turns)
     engine = LocalEngine(model, tokenizer, max_batch_size=cfg.max_batch_size, seed=cfg.seed)
     with console.status(f"rolling out {len(tasks)} tasks × {cfg.group_size} on {cfg.model}"):

@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from agent_r1.models.onednn import use_onednn
+from agent_r1.models.precision import TORCH_DTYPES, resolve_device, set_precision
 from agent_r1.utils.paths import cache_dir
 
 
@@ -134,13 +135,27 @@ def is_chat_model(name_or_path: str, tokenizer: PreTrainedTokenizerBase) -> bool
 
 
 def load_model(
-    name_or_path: str = "default", dtype: torch.dtype = torch.float32
+    name_or_path: str = "default", *, device: str = "cpu", dtype: str = "fp32", training: bool = False
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load model and tokenizer in fp32 (bf16 is slower than fp32 on CPUs without AMX), with the
-    linear layers on oneDNN where that is available (agent_r1/models/onednn.py says why)."""
+    """Load model and tokenizer on `device` (auto, cpu, cuda) under the precision policy of
+    models/precision.py: fp32 weights when `training` (bf16 is then autocast compute), else weights in
+    `dtype`. fp32 is the CPU default (bf16 is slower than fp32 on CPUs without AMX); there the linear
+    layers run on oneDNN where that is available (agent_r1/models/onednn.py says why)."""
+    target = resolve_device(device)  # device=cuda without a GPU fails before anything loads
     path = resolve_model_path(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    weights = "fp32" if training else dtype
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=TORCH_DTYPES[weights])
     model.eval()
-    use_onednn(model)
-    return model, tokenizer
+    return place_model(model, target, dtype), tokenizer
+
+
+def place_model(model: torch.nn.Module, device: str | torch.device, dtype: str) -> torch.nn.Module:
+    """Move `model` to `device`, record its compute dtype, and on a CPU in fp32 swap its linear layers
+    to oneDNN (a no-op when it already has them)."""
+    target = resolve_device(device) if isinstance(device, str) else device
+    model.to(target)
+    set_precision(model, dtype)
+    if target.type == "cpu":
+        use_onednn(model)
+    return model

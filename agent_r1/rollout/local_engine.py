@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from agent_r1.models.precision import autocast, model_device
 from agent_r1.rollout.engine import GenerateOutput, SamplingParams, alias_key, full_state_dict
 from agent_r1.rollout.kv_cache import BufferedCache
 
@@ -165,7 +166,7 @@ class LocalEngine:
         `on_token(row, token, logprob)` sees every sampled token; returning False aborts that row
         (finish_reason "abort"), which leaves the batch and the KV cache like a finished row.
         """
-        with self._weights_lock:
+        with self._weights_lock, autocast(self.model):  # autocast is per thread: the decode thread enters it
             return self._decode(prompts, params, seeds, on_token)
 
     @torch.inference_mode()
@@ -173,7 +174,7 @@ class LocalEngine:
         self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], on_token: RowHook | None
     ) -> list[GenerateOutput]:
         """The decode loop of `generate_batch` (shapes in comments)."""
-        B = len(prompts)
+        B, dev = len(prompts), model_device(self.model)
         if min(len(p) for p in prompts) == 0:
             raise ValueError("cannot generate from an empty prompt")
         lens = torch.tensor([len(p) for p in prompts])  # [B]
@@ -187,7 +188,7 @@ class LocalEngine:
             return self._outputs(prompts, out_ids, out_lp, finish)
         live = [prompts[i] for i in rows]
         index: dict[tuple[int, ...], int] = {}  # a GRPO group repeats its prompt: prefill each one once
-        which = torch.tensor([index.setdefault(tuple(p), len(index)) for p in live])  # [b] row -> distinct prompt
+        which = torch.tensor([index.setdefault(tuple(p), len(index)) for p in live], device=dev)  # [b] row -> prompt
         unique = [list(p) for p in index]
         cache = BufferedCache(capacity=max(len(p) for p in live) + max(budget))
         shared = self._prefill_shared_prefix(unique, cache)  # C tokens every prompt starts with, cached once
@@ -199,6 +200,7 @@ class LocalEngine:
         for j, p in enumerate(unique):
             suffix[j, S - (len(p) - C) :] = torch.tensor(p[C:])
             attn[j, C + S - (len(p) - C) :] = 1
+        suffix, attn = suffix.to(dev), attn.to(dev)
         positions = (attn.cumsum(-1) - 1).clamp(min=0)[:, C:]  # [u, S] pads do not shift positions
         logits = self.model(
             input_ids=suffix,
@@ -211,15 +213,14 @@ class LocalEngine:
         if u < len(live):  # one copy of each prompt's cache per row that samples from it
             cache.batch_select_indices(which)
             logits, attn = logits[which], attn[which]  # [b, V], [b, C+S]
-        next_pos = lens[torch.tensor(rows)]  # [b]
+        next_pos = lens[torch.tensor(rows)].to(dev)  # [b]
         window = max((len(s) for s in params.stop), default=0) + 2
         while True:
             tokens, logprobs = _sample(logits.float(), params, [gens[i] for i in rows])  # [b], [b]
             alive = []
-            for j, i in enumerate(rows):
-                tok = int(tokens[j])
+            for j, (i, tok, lp) in enumerate(zip(rows, tokens.tolist(), logprobs.tolist(), strict=True)):  # one copy
                 out_ids[i].append(tok)
-                out_lp[i].append(float(logprobs[j]))
+                out_lp[i].append(lp)
                 if on_token is not None and not on_token(i, tok, out_lp[i][-1]):
                     finish[i] = "abort"
                 elif tok in self.eos_ids:
@@ -231,11 +232,11 @@ class LocalEngine:
             if not alive:
                 break
             if len(alive) < len(rows):  # drop finished rows from the batch and from the KV cache
-                sel = torch.tensor(alive)
+                sel = torch.tensor(alive, device=dev)
                 cache.batch_select_indices(sel)
                 attn, next_pos, tokens = attn[sel], next_pos[sel], tokens[sel]
                 rows = [rows[j] for j in alive]
-            attn = torch.cat([attn, torch.ones((len(rows), 1), dtype=attn.dtype)], dim=1)  # [b, P+t]
+            attn = torch.cat([attn, attn.new_ones((len(rows), 1))], dim=1)  # [b, P+t]
             logits = self.model(
                 input_ids=tokens.unsqueeze(1),  # [b, 1]
                 attention_mask=attn,
@@ -261,9 +262,10 @@ class LocalEngine:
             C = next((k for k in range(C) if p[k] != first[k]), C)
         if len(prompts) < 2 or self.min_shared_prefix > C:
             return 0
+        dev = model_device(self.model)
         self.model(
-            input_ids=torch.tensor([first[:C]]),
-            position_ids=torch.arange(C)[None],
+            input_ids=torch.tensor([first[:C]], device=dev),
+            position_ids=torch.arange(C, device=dev)[None],
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
@@ -310,7 +312,8 @@ def _sample(
         drop = sorted_p.cumsum(-1) - sorted_p > params.top_p
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
     cdf = probs.cumsum(-1)  # [b, V]
-    u = torch.stack([torch.rand((), generator=g) for g in gens]) * cdf[:, -1]  # [b] one draw per row
+    draws = torch.stack([torch.rand((), generator=g) for g in gens])  # [b] on the CPU: seeded alike on every device
+    u = draws.to(cdf.device) * cdf[:, -1]  # [b] one draw per row
     tokens = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 

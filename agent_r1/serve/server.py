@@ -11,6 +11,7 @@ import uvicorn
 
 from agent_r1.env.prompt_format import prompt_format_for
 from agent_r1.models.loading import DEFAULT_MODEL, is_chat_model, load_model
+from agent_r1.models.precision import Device, Precision
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.serve.app import ServedModel, create_app
 
@@ -19,6 +20,10 @@ from agent_r1.serve.app import ServedModel, create_app
 class ServeConfig:
     model: str = "default"
     """"default", a bundled model name, a Hugging Face directory or an `agent-r1 export` directory"""
+    device: Device = "auto"
+    """where the model runs: auto = cuda when a GPU is visible, else cpu"""
+    dtype: Precision = "fp32"
+    """weights and compute in fp32, or in bf16 (a GPU choice: half the memory)"""
     name: str | None = None
     """the model id clients send as "model"; None = the model's name (directory name for a path)"""
     host: str = "127.0.0.1"
@@ -60,7 +65,7 @@ class ServeConfig:
 
 def run_serve(cfg: ServeConfig) -> None:
     """Load the model, bind the socket (so port=0 can print its real port), serve until Ctrl-C."""
-    model, tokenizer = load_model(cfg.model)
+    model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     chat = is_chat_model(cfg.model, tokenizer) if cfg.prompt_format == "auto" else cfg.prompt_format == "chat"
     engine = LocalEngine(
         model, tokenizer, max_batch_size=cfg.max_batch_size, max_context=cfg.max_context, seed=cfg.seed,

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from agent_r1.models.precision import autocast
+
 
 @dataclass
 class Row:
@@ -68,8 +70,11 @@ class MicroBatch:
         return int(self.input_ids.numel()) - self.prefix_len * (len(self.row_lens) - 1)
 
 
-def pack(rows: list[Row], max_tokens: int, min_shared_prefix: int = 32) -> list[MicroBatch]:
-    """Micro-batches of at most `max_tokens` computed tokens (a longer row gets one of its own).
+def pack(
+    rows: list[Row], max_tokens: int, min_shared_prefix: int = 32, device: torch.device | str = "cpu"
+) -> list[MicroBatch]:
+    """Micro-batches of at most `max_tokens` computed tokens (a longer row gets one of its own), their
+    tensors on `device` (rows stay where they are, on the CPU: only a micro-batch is on the GPU at once).
 
     Rows are sorted by their ids, so rows sharing a prefix of >= `min_shared_prefix` tokens become
     neighbours; each such run is cut into consecutive bins that compute the prefix once. The other
@@ -92,12 +97,12 @@ def pack(rows: list[Row], max_tokens: int, min_shared_prefix: int = 32) -> list[
         current: list[Row] = []
         for row in run:
             if current and _cost([*current, row]) > max_tokens:
-                out.append(_concat(current, _shared_prefix(current) if len(current) > 1 else 0))
+                out.append(_concat(current, _shared_prefix(current) if len(current) > 1 else 0, device))
                 current = []
             current.append(row)
         c = _shared_prefix(current) if len(current) > 1 else 0
-        out.append(_concat(current, c))
-    return out + [_concat(b, 0) for b in _first_fit(loose, max_tokens)]
+        out.append(_concat(current, c, device))
+    return out + [_concat(b, 0, device) for b in _first_fit(loose, max_tokens)]
 
 
 def _cost(rows: list[Row]) -> int:
@@ -136,12 +141,12 @@ def _shared_prefix(rows: list[Row]) -> int:
     return c
 
 
-def _concat(rows: list[Row], prefix_len: int) -> MicroBatch:
+def _concat(rows: list[Row], prefix_len: int, device: torch.device | str = "cpu") -> MicroBatch:
     def cat(name: str) -> torch.Tensor | None:
         parts = [getattr(r, name) for r in rows]
-        return None if parts[0] is None else torch.cat(parts)
+        return None if parts[0] is None else torch.cat(parts).to(device, non_blocking=True)
 
-    positions = torch.cat([torch.arange(len(r.input_ids)) for r in rows])
+    positions = torch.cat([torch.arange(len(r.input_ids)) for r in rows]).to(device, non_blocking=True)
     return MicroBatch(
         input_ids=cat("input_ids"),
         position_ids=positions,
@@ -177,8 +182,10 @@ def token_logprobs(
     ops = _logit_ops(model)  # before the forward, so that an unsupported model fails at once
     targets = mb.mask.nonzero().squeeze(-1)  # [M] positions of sampled tokens
     shared = mb.prefix_len > 0 and not _drops_kv_cache(_backbone(model))
-    states = _shared_forward(model, mb) if shared else _packed_forward(model, mb)  # [L, H]
-    logits = model.get_output_embeddings()(states[targets - 1]).float()  # [M, V]
+    with autocast(model):  # bf16 matrix products when dtype=bf16; everything after the head is fp32
+        states = _shared_forward(model, mb) if shared else _packed_forward(model, mb)  # [L, H]
+        logits = model.get_output_embeddings()(states[targets - 1])
+    logits = logits.float()  # [M, V]
     for op, value in ops:  # none for most models (Llama, Qwen, Mistral, SmolLM, ...)
         if op == "softcap":
             logits = torch.tanh(logits / value) * value
@@ -195,8 +202,8 @@ def token_logprobs(
         per_token = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # [M]
     else:
         picked, per_token = _TokenLogprobs.apply(logits, ids, entropy)  # [M], [M] (entropy as a metric)
-    logp = torch.zeros(len(mb.input_ids), dtype=picked.dtype).index_put((targets,), picked)
-    ent = torch.zeros(len(mb.input_ids), dtype=per_token.dtype).index_put((targets,), per_token) if entropy else None
+    logp = picked.new_zeros(len(mb.input_ids)).index_put((targets,), picked)
+    ent = per_token.new_zeros(len(mb.input_ids)).index_put((targets,), per_token) if entropy else None
     return logp, ent, states if hidden else None
 
 
@@ -245,12 +252,13 @@ def _shared_forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
 
     Gradients flow through the copies into the prefix pass, so this is exact, not an approximation.
     """
-    backbone, C = _backbone(model), mb.prefix_len
+    backbone, C, dev = _backbone(model), mb.prefix_len, mb.input_ids.device
     B, S = len(mb.row_lens), max(mb.row_lens) - C
     starts = torch.tensor([0, *mb.row_lens]).cumsum(0)[:-1]  # [B] row offsets in the flat tensors
     embeds = backbone.get_input_embeddings()(mb.input_ids)  # [L, H] one lookup: one dense [V, H] gradient, not two
     cache = DynamicCache()
-    backbone(inputs_embeds=embeds[None, :C], position_ids=torch.arange(C)[None], past_key_values=cache, use_cache=True)
+    prefix_pos = torch.arange(C, device=dev)[None]
+    backbone(inputs_embeds=embeds[None, :C], position_ids=prefix_pos, past_key_values=cache, use_cache=True)
     cache.batch_repeat_interleave(B)
     take = torch.zeros((B, S), dtype=torch.long)  # [B, S] position in `embeds` of each suffix token (right-padded)
     attn = torch.zeros((B, C + S), dtype=torch.long)  # [B, C+S]
@@ -258,10 +266,11 @@ def _shared_forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     for b, (start, n) in enumerate(zip(starts.tolist(), mb.row_lens, strict=True)):
         take[b, : n - C] = torch.arange(start + C, start + n)
         attn[b, C:n] = 1
+    take, attn = take.to(dev), attn.to(dev)
     out = backbone(
         inputs_embeds=embeds[take],  # [B, S, H]
         attention_mask=attn,
-        position_ids=(C + torch.arange(S)).expand(B, S),
+        position_ids=(C + torch.arange(S, device=dev)).expand(B, S),
         past_key_values=cache,
         use_cache=True,
     )
@@ -271,7 +280,7 @@ def _shared_forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         [torch.arange(start + C, start + n) for start, n in zip(starts.tolist(), mb.row_lens, strict=True)]
     )
     valid = torch.cat([torch.arange(n - C) + b * S for b, n in enumerate(mb.row_lens)])
-    return states.index_put((index,), hidden.reshape(B * S, -1)[valid])
+    return states.index_put((index.to(dev),), hidden.reshape(B * S, -1)[valid.to(dev)])
 
 
 def _backbone(model: torch.nn.Module) -> torch.nn.Module:

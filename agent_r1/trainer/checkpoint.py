@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from agent_r1.models.loading import EXPORT_INFO
 from agent_r1.models.lora import merged_copy
+from agent_r1.models.precision import rng_state, set_rng_state
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
@@ -52,7 +53,7 @@ def save_checkpoint(
             {
                 "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(),
-                "torch_rng": torch.get_rng_state(),
+                "torch_rng": rng_state(),  # CPU and CUDA
                 "python_rng": random.getstate(),
             },
             tmp / "trainer_state.pt",
@@ -85,7 +86,8 @@ def load_checkpoint(
     trainer_state = torch.load(path / "trainer_state.pt", weights_only=False)
     optimizer.load_state_dict(trainer_state["optimizer"])
     scheduler.load_state_dict(trainer_state["scheduler"])
-    torch.set_rng_state(trainer_state["torch_rng"])
+    rng = trainer_state["torch_rng"]
+    set_rng_state(rng if isinstance(rng, dict) else {"cpu": rng})  # older checkpoints: the CPU state alone
     random.setstate(trainer_state["python_rng"])
     return json.loads((path / "meta.json").read_text())
 

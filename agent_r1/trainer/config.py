@@ -7,12 +7,23 @@ from typing import Any, Literal
 
 from agent_r1.algos.advantages import GROUP_ESTIMATORS
 from agent_r1.models.lora import LoraConfig
+from agent_r1.models.precision import Device, Precision
 from agent_r1.observe.health import HealthConfig
 from agent_r1.observe.loggers import LogConfig
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.task import TaskSpec
 
 Estimator = Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"]
+
+
+@dataclass
+class VLLMConfig:
+    gpu_memory_utilization: float = 0.3
+    """share of GPU memory vLLM may take (weights + KV cache); on a CPU, the share of RAM it reserves"""
+    enforce_eager: bool = True
+    """no CUDA graphs / torch.compile: starts in seconds; set false on a GPU for faster decoding"""
+    sleep: bool = True
+    """on a GPU, free vLLM's memory during the update (vLLM's sleep mode) and wake it for the rollout"""
 
 
 @dataclass
@@ -31,11 +42,14 @@ class RolloutConfig:
     """nucleus sampling mass"""
     max_batch_size: int = 64
     """rows the engine decodes together"""
-    engine: Literal["local", "remote"] = "local"
-    """local: the trainer's own model object samples (no copy, no weight sync); remote: an
-    OpenAI-compatible server that speaks token ids (agent-r1 serve), weights synced after every step"""
+    engine: Literal["local", "remote", "vllm"] = "local"
+    """local: the trainer's own model object samples (no copy, no weight sync); vllm: vLLM in this
+    process; remote: an OpenAI-compatible server that speaks token ids (vllm serve, agent-r1 serve).
+    vllm and remote get the weights after every optimizer step"""
     url: str = ""
     """rollout.engine=remote: the server's base URL (http://host:port)"""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """rollout.engine=vllm: vLLM's own settings"""
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
@@ -79,6 +93,19 @@ class AlgoConfig:
     """PRIME-style: divide process rewards by the batch max of |reverse cumulative sum|"""
     process_reward_weight: float = 1.0
     """weight of process (per-step / per-tool-call) rewards next to the outcome reward"""
+    old_logprobs: Literal["auto", "rollout", "recompute"] = "auto"
+    """log-probs of the importance ratio's old policy: the engine's, or recomputed by the trainer (with
+    TIS); auto = recompute unless the trainer's own model sampled them in fp32 (rollout.engine=local)"""
+    tis_cap: float = 2.0
+    """truncated importance sampling: tokens are weighted by min(p_trainer / p_rollout, tis_cap) when
+    old log-probs are recomputed (0 = no correction)"""
+
+    def recompute_old_logprobs(self, engine: str, dtype: str) -> bool:
+        """Whether the trainer recomputes old log-probs: another engine's kernels, or bf16, make the
+        rollout's log-probs differ from the trainer's (docs/algorithms.md, "Off-policy correction")."""
+        if self.old_logprobs != "auto":
+            return self.old_logprobs == "recompute"
+        return engine != "local" or dtype != "fp32"
 
     def clip_range(self) -> tuple[float, float]:
         """(clip_low, clip_high), each the loss's default when unset: sequence-level ratios sit near 1, so
@@ -134,6 +161,10 @@ class TrainConfig:
     """calculator, gsm8k, hotpotqa, or an import path (my_pkg.my_task); its options: task.KEY=VALUE"""
     prompt_format: Literal["auto", "chat", "text"] = "auto"
     """chat template or plain text; auto = chat when the model has a template"""
+    device: Device = "auto"
+    """where the model runs: auto = cuda when a GPU is visible, else cpu"""
+    dtype: Precision = "fp32"
+    """fp32, or bf16 compute with fp32 master weights, optimizer state and log-softmax (GPU)"""
     steps: int = 20
     """RL steps (rollout + update)"""
     seed: int = 0
@@ -178,7 +209,9 @@ class TrainConfig:
                 "rollout.temperature must be > 0 for training: the importance ratio and log-probs are taken "
                 "at the sampling temperature (greedy decoding has no log-probs to train on)",
             ),
-            (r.engine == "local" or r.url, "rollout.engine=remote needs rollout.url (the server's base URL)"),
+            (r.engine != "remote" or r.url, "rollout.engine=remote needs rollout.url (the server's base URL)"),
+            (0 < r.vllm.gpu_memory_utilization <= 1, "rollout.vllm.gpu_memory_utilization must be in (0, 1]"),
+            (a.tis_cap == 0 or a.tis_cap >= 1, f"algo.tis_cap must be 0 (off) or >= 1, got {a.tis_cap}"),
             (
                 not (self.val.every and getattr(self.task.options, "data", None) and "data" not in self.val.task),
                 "task.data is used whole, for every split: validating on it would select on training tasks; "

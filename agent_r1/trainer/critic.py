@@ -12,6 +12,7 @@ import copy
 import torch
 
 from agent_r1.algos import advantages as adv_fns
+from agent_r1.models.precision import autocast, model_device
 from agent_r1.trainer.batching import MicroBatch, Row, pack, token_logprobs
 from agent_r1.trainer.rows import RowIndex
 
@@ -34,10 +35,11 @@ class Critic(torch.nn.Module):
         if self.shared:
             hidden = policy_hidden  # [L, H]
         else:
-            out = self.backbone(
-                input_ids=mb.input_ids[None], position_ids=mb.position_ids[None],
-                output_hidden_states=True, use_cache=False, logits_to_keep=1,
-            )  # fmt: skip
+            with autocast(self.backbone):
+                out = self.backbone(
+                    input_ids=mb.input_ids[None], position_ids=mb.position_ids[None],
+                    output_hidden_states=True, use_cache=False, logits_to_keep=1,
+                )  # fmt: skip
             hidden = out.hidden_states[-1][0]
         v = self.head(hidden.float()).squeeze(-1)  # [L] value of the state after each position
         return torch.cat([v.new_zeros(1), v[:-1]])  # [L]
@@ -46,9 +48,9 @@ class Critic(torch.nn.Module):
 @torch.no_grad()
 def fill_old_values(critic: Critic, policy: torch.nn.Module, rows: list[Row], micro_batch_tokens: int) -> None:
     """Critic values at rollout time (the clipping anchor and the GAE baseline)."""
-    for mb in pack(rows, micro_batch_tokens):
+    for mb in pack(rows, micro_batch_tokens, device=model_device(policy)):
         hidden = token_logprobs(policy, mb, hidden=True)[2] if critic.shared else None
-        for row, part in zip(mb.rows, critic(mb, hidden).split(mb.row_lens), strict=True):
+        for row, part in zip(mb.rows, critic(mb, hidden).cpu().split(mb.row_lens), strict=True):
             row.old_values = part
 
 

