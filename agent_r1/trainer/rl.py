@@ -9,9 +9,11 @@
       6. weight sync  the engine samples from the new weights (a no-op when it holds the same model)
       7. log, validate, checkpoint
 
-The importance ratio uses the rollout log-probs (the engine computes them with the same weights and
-temperature), so there is no extra "old log-prob" forward pass; the log-prob consistency test is what
-makes that safe.
+With the local engine in fp32 the importance ratio uses the rollout log-probs (the engine computes
+them with the trainer's own model, weights and temperature), so there is no extra "old log-prob"
+forward pass; the log-prob consistency test is what makes that safe. vLLM, a server or bf16 compute
+have other numerics: the trainer then recomputes the old log-probs and corrects the gap with truncated
+importance sampling (algos/off_policy.py).
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ from agent_r1.algos.rewards import kl_penalized, step_rewards, zero_variance_gro
 from agent_r1.config import to_dict
 from agent_r1.data.sampler import TaskSampler
 from agent_r1.env.base import Env
-from agent_r1.models.loading import load_model, place_model
-from agent_r1.models.lora import with_lora
-from agent_r1.models.precision import model_device
+from agent_r1.models.loading import load_model, place_model, resolve_model_path
+from agent_r1.models.lora import merged_copy, with_lora
+from agent_r1.models.precision import TORCH_DTYPES, model_device
 from agent_r1.observe.health import HealthMonitor
 from agent_r1.observe.loggers import Loggers
 from agent_r1.observe.plot import plot_metrics, read_metrics
@@ -43,6 +45,7 @@ from agent_r1.rollout.agent_loop import AgentEnvLoop, correct, summarize
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.merge import merge_trajectory
 from agent_r1.rollout.remote_engine import RemoteEngine
+from agent_r1.rollout.vllm_engine import VLLMEngine
 from agent_r1.task import resolve_chat
 from agent_r1.trainer.checkpoint import export_policy, resume, save_checkpoint
 from agent_r1.trainer.common import adamw, lr_schedule
@@ -50,7 +53,15 @@ from agent_r1.trainer.config import TrainConfig
 from agent_r1.trainer.critic import Critic, fill_old_values, set_gae
 from agent_r1.trainer.export import policy_info
 from agent_r1.trainer.reference import reference_policy
-from agent_r1.trainer.rows import build_rows, fill_ref_logprobs, set_step_advantages, step_kl, write_step_records
+from agent_r1.trainer.rows import (
+    apply_tis,
+    build_rows,
+    fill_ref_logprobs,
+    recompute_old_logprobs,
+    set_step_advantages,
+    step_kl,
+    write_step_records,
+)
 from agent_r1.trainer.update import policy_update
 from agent_r1.trainer.validation import make_validator
 from agent_r1.types import Termination, Trajectory
@@ -94,7 +105,8 @@ def train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_schedule(total_updates, cfg.optim.warmup_steps, cfg.optim.schedule)
     )
-    engine = _engine(cfg, policy, tokenizer, run_dir)
+    engine = _engine(cfg, policy, tokenizer, run_dir, chat_hint is not None)
+    recompute = cfg.algo.recompute_old_logprobs(cfg.rollout.engine, cfg.dtype)
 
     # --- task: training tasks, the env factory, validation -------------------------------------------
     chat = resolve_chat(cfg.prompt_format, tokenizer, chat_hint)
@@ -127,6 +139,8 @@ def train(
             policy.eval()
             loop = AgentEnvLoop(engine, make_env, cfg.rollout.sampling(), seed=cfg.seed * 1_000_003 + step)
             trajs = loop.run_sync(sampler.take(cfg.rollout.tasks_per_step), cfg.rollout.group_size)
+            if isinstance(engine, VLLMEngine):
+                engine.sleep()  # on a GPU: vLLM's memory goes to the update until the weight sync wakes it
             t1 = time.perf_counter()
 
             # 2. rewards: errored or empty episodes are not evidence about the policy: leave them out -----
@@ -150,6 +164,9 @@ def train(
                 alone = {g for g, n in Counter(groups).items() if n == 1}  # the rest errored: no baseline
                 dropped = alone | (zero_var if cfg.algo.zero_variance_groups == "skip" else set())
             trained = [groups[ti] not in dropped for ti in where.row_owner]
+            off_policy: dict[str, float] = {}
+            if recompute:  # the trainer's log-probs are the ratio's anchor; the engine's only weight it (TIS)
+                off_policy = recompute_old_logprobs(policy, rows, cfg.optim.micro_batch_tokens, cfg.rollout.temperature)
             kl_reward = 0.0
             if ref is not None and cfg.algo.kl_mode == "reward":  # the KL is part of every return
                 fill_ref_logprobs(ref, rows, cfg.optim.micro_batch_tokens, cfg.rollout.temperature)
@@ -174,6 +191,8 @@ def train(
                 path = step_path(run_dir, step + 1)
                 write_step_records(path, trajs, sequences, kept, rows, where, tokenizer, step + 1)
             rows = [r for r, keep in zip(rows, trained, strict=True) if keep]
+            if recompute and cfg.algo.tis_cap:
+                off_policy |= apply_tis(rows, cfg.algo.tis_cap)
 
             # 5. update -----------------------------------------------------------------------------
             update = policy_update(policy, critic, rows, optimizer, scheduler, params, cfg, step)
@@ -185,7 +204,7 @@ def train(
             t4 = time.perf_counter()
 
             # 7. log, validate, checkpoint -----------------------------------------------------------
-            metrics = {"step": step + 1, **_rollout_metrics(trajs), **update}
+            metrics = {"step": step + 1, **_rollout_metrics(trajs), **update, **off_policy}
             metrics |= {
                 "trained_episodes": len(train_trajs),
                 "zero_variance_groups": len(zero_var) / max(1, len(set(groups))),
@@ -219,11 +238,25 @@ def train(
 # --- set-up, metrics --------------------------------------------------
 
 
-def _engine(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, run_dir: Path):
-    """rollout.engine: the trainer's own model object (no copy), or a server whose weights are synced."""
-    if cfg.rollout.engine == "remote":
-        return RemoteEngine(cfg.rollout.url, sync_dir=str(run_dir / "weight_sync"))
-    return LocalEngine(policy, tokenizer, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.seed)
+def _engine(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, run_dir: Path, from_config: bool):
+    """rollout.engine: the trainer's own model object (no copy), vLLM in this process, or a server;
+    the last two get the policy's weights before the first rollout and after every update."""
+    r = cfg.rollout
+    if r.engine == "remote":
+        return RemoteEngine(r.url, sync_dir=str(run_dir / "weight_sync"))
+    if r.engine == "vllm":
+        if from_config:
+            path = resolve_model_path(cfg.model)
+        else:  # a model object passed in: vLLM starts from a copy on disk (its weights are synced anyway)
+            path = run_dir / "vllm_init"
+            merged_copy(policy).save_pretrained(path) if cfg.lora.enabled else policy.save_pretrained(path)
+            tokenizer.save_pretrained(path)
+        cuda = model_device(policy).type == "cuda"
+        return VLLMEngine(
+            path, dtype=TORCH_DTYPES[cfg.dtype], seed=cfg.seed, gpu_memory_utilization=r.vllm.gpu_memory_utilization,
+            enforce_eager=r.vllm.enforce_eager, sleep=r.vllm.sleep and cuda, max_num_seqs=r.max_batch_size,
+        )  # fmt: skip
+    return LocalEngine(policy, tokenizer, max_batch_size=r.max_batch_size, seed=cfg.seed)
 
 
 def _rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:

