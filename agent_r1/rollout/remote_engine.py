@@ -13,9 +13,16 @@ Log-probs: `agent-r1 serve` returns log-softmax(logits / temperature), the quant
 recomputes. vLLM returns the raw model's by default; start it with `--logprobs-mode processed_logprobs`
 to get the same quantity.
 
-Weight sync (`agent-r1 serve` only): `sync_weights(model)` writes the model's full weights (LoRA
-merged) to `<sync_dir>/weights.safetensors` and has the server load them through `/v1/load_weights`.
-`sync_dir` must be on a filesystem the server reads, under the same path.
+Weight sync: `sync_weights(model)` writes the model's full weights (LoRA merged) as safetensors under
+`sync_dir`, which must be on a filesystem the server reads, under the same path, and has the server
+load them with its own mechanism:
+- `agent-r1 serve`: `POST /v1/load_weights` (strict; swaps between batches under a lock);
+- `vllm serve` (started with `VLLM_SERVER_DEV_MODE=1`, which exposes its RL endpoints): `/pause?mode=wait`
+  (running requests finish, the prefix cache is dropped), `/collective_rpc` `reload_weights` from the
+  directory (vLLM's in-place reload), `/update_weight_version`, `/resume`.
+Version check: the engine remembers the version it last pushed and reads the server's before and
+after every `generate` call; a server that serves other weights, or whose weights changed while the
+call ran, is an error, so a rollout never mixes two policies silently.
 """
 
 from __future__ import annotations
@@ -51,29 +58,51 @@ class RemoteEngine:
         api_key: str | None = None,
         sync_dir: str | None = None,
     ) -> None:
-        """`base_url` is the server root or its /v1. Without `model` or `max_context`, they are read
-        from `/v1/models` once, now (vLLM and agent-r1 serve report `max_model_len`). `sync_dir` is
-        where `sync_weights` writes the weights for the server to read."""
-        self.base_url = base_url.rstrip("/").removesuffix("/v1") + "/v1"
+        """`base_url` is the server root or its /v1. The model card comes from `/v1/models` once, now:
+        `model` and `max_context` default to its id and `max_model_len`, and it tells a vLLM server
+        (`owned_by: vllm`) from agent-r1 serve. `sync_dir` is where `sync_weights` writes the weights."""
+        self.root = base_url.rstrip("/").removesuffix("/v1")
+        self.base_url = self.root + "/v1"
         self.timeout = timeout
         self.limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
-        if model is None or max_context is None:
-            card = self._model_card(model)
-            model = model or card["id"]
-            max_context = max_context or int(card.get("max_model_len") or 0) or None
+        card = self._model_card(model)
+        max_context = max_context or int(card.get("max_model_len") or 0) or None
         if max_context is None:
             raise ValueError(f"{self.base_url}/models reports no max_model_len: pass max_context")
-        self.model = model
+        self.model = model or card["id"]
         self.max_context = max_context
         self.sync_dir = sync_dir
+        self.is_vllm = card.get("owned_by") == "vllm"
         self.weights_version = 0  # the version of the last weights the server accepted from this engine
+        self._synced = False  # before the first sync the server's own weights are the policy
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerateOutput]:
-        """Sample one response per prompt; requests go out together, so the server can batch them."""
+        """Sample one response per prompt; requests go out together, so the server can batch them.
+        Once weights were synced, the server's weights version is checked before and after."""
         client = self._client()
-        return list(await asyncio.gather(*(self._one(client, p, params, i) for i, p in enumerate(prompts))))
+        await self._check_version(client)
+        outs = list(await asyncio.gather(*(self._one(client, p, params, i) for i, p in enumerate(prompts))))
+        await self._check_version(client)
+        return outs
+
+    async def _check_version(self, client: httpx.AsyncClient) -> None:
+        if not self._synced:
+            return
+        path = f"{self.root}/weight_info" if self.is_vllm else f"{self.base_url}/models"
+        try:
+            r = await client.get(path)
+            r.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise RemoteEngineError(f"{self.base_url}: {type(exc).__name__}: {exc}") from exc
+        body = r.json()
+        served = body.get("weight_version") if self.is_vllm else _card(body, self.model).get("weights_version")
+        if str(served) != str(self.weights_version):
+            raise RemoteEngineError(
+                f"{self.root} serves weights version {served}, not {self.weights_version} (the last this trainer "
+                "pushed): another client changed them, so this rollout would mix two policies"
+            )
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Have the server sample from `model`'s current weights (once per RL step, after the update).
@@ -85,9 +114,11 @@ class RemoteEngine:
             raise ValueError("weight sync needs sync_dir: a directory the server can read (RemoteEngine(sync_dir=...))")
         from safetensors.torch import save_file
 
-        os.makedirs(self.sync_dir, exist_ok=True)
-        path = os.path.join(os.path.abspath(self.sync_dir), "weights.safetensors")
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".weights-", suffix=".tmp")
+        version = self.weights_version + 1
+        folder = os.path.join(os.path.abspath(self.sync_dir), "weights")  # vLLM reloads every file of a folder
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, "model.safetensors")
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.sync_dir + "/"), prefix=".weights-", suffix=".tmp")
         os.close(fd)
         try:
             save_file(_unaliased(full_state_dict(model)), tmp)
@@ -95,14 +126,32 @@ class RemoteEngine:
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
-        body = {"path": path, "version": self.weights_version + 1}
+        if self.is_vllm:
+            self._post(f"{self.root}/pause", params={"mode": "wait", "clear_cache": "true"})
+            try:
+                rpc = {"method": "reload_weights", "kwargs": {"weights_path": folder}}
+                self._post(f"{self.root}/collective_rpc", json=rpc)
+                self._post(f"{self.root}/update_weight_version", json={"new_version": str(version)})
+            finally:
+                self._post(f"{self.root}/resume")
+        else:
+            version = int(
+                self._post(f"{self.base_url}/load_weights", json={"path": path, "version": version})["version"]
+            )
+        self.weights_version, self._synced = version, True
+
+    def _post(self, url: str, **kw: Any) -> dict[str, Any]:
         try:
-            r = httpx.post(f"{self.base_url}/load_weights", json=body, timeout=self.timeout, headers=self.headers)
+            r = httpx.post(url, timeout=self.timeout, headers=self.headers, **kw)
         except httpx.HTTPError as exc:
-            raise RemoteEngineError(f"{self.base_url}: {type(exc).__name__}: {exc}") from exc
+            raise RemoteEngineError(f"{url}: {type(exc).__name__}: {exc}") from exc
+        if r.status_code == 404 and self.is_vllm:
+            raise RemoteEngineError(
+                f"{url} does not exist: start vllm serve with VLLM_SERVER_DEV_MODE=1 for weight sync"
+            )
         if r.status_code != 200:
-            raise RemoteEngineError(f"{self.base_url} refused the weights ({r.status_code}): {_error_message(r)}")
-        self.weights_version = int(r.json()["version"])
+            raise RemoteEngineError(f"{url} refused the weights ({r.status_code}): {_error_message(r)}")
+        return r.json() if r.content else {}
 
     async def aclose(self) -> None:
         """Close this event loop's connection pool."""
@@ -158,11 +207,7 @@ class RemoteEngine:
             r.raise_for_status()
         except httpx.HTTPError as exc:
             raise RemoteEngineError(f"cannot list models at {self.base_url}: {exc}") from None
-        cards = r.json().get("data", [])
-        for card in cards:
-            if model is None or card.get("id") == model:
-                return card
-        raise RemoteEngineError(f"{self.base_url} does not serve {model!r}: it serves {[c.get('id') for c in cards]}")
+        return _card(r.json(), model, self.base_url)
 
 
 def parse_choice(choice: dict[str, Any], prompt_len: int) -> GenerateOutput:
@@ -185,15 +230,25 @@ def parse_choice(choice: dict[str, Any], prompt_len: int) -> GenerateOutput:
     return GenerateOutput(list(ids), token_logprobs, choice.get("text", ""), reason, prompt_len)
 
 
+def _card(listing: dict[str, Any], model: str | None, url: str = "") -> dict[str, Any]:
+    """The model card of `model` (None: the first) in a `/v1/models` listing."""
+    cards = listing.get("data", [])
+    for card in cards:
+        if model is None or card.get("id") == model:
+            return card
+    raise RemoteEngineError(f"{url} does not serve {model!r}: it serves {[c.get('id') for c in cards]}")
+
+
 def _unaliased(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Contiguous tensors with each memory once (safetensors refuses shared tensors): a tied weight
-    such as lm_head.weight = embed_tokens.weight keeps its first name; the server fills in the other."""
+    """Contiguous tensors, each memory under one name only (safetensors refuses shared tensors): a tied
+    weight such as lm_head.weight = embed_tokens.weight is written twice, as a copy, because vLLM's
+    in-place reload leaves a layer it is given no weights for unloaded."""
     out: dict[str, torch.Tensor] = {}
     seen = set()
     for name, t in state.items():
-        if (key := alias_key(t)) not in seen:
-            seen.add(key)
-            out[name] = t.detach().contiguous()
+        key = alias_key(t)
+        out[name] = t.detach().clone() if key in seen else t.detach().contiguous()
+        seen.add(key)
     return out
 
 

