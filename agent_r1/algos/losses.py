@@ -36,8 +36,8 @@ def _seq_sums(x: Tensor, mask: Tensor, seq_ids: Tensor) -> tuple[Tensor, Tensor]
     inverse = _seq_index(mask, seq_ids)  # [N]
     n_seq = int(inverse.max()) + 1 if inverse.numel() else 0
     m = mask.to(x.dtype)  # [N]
-    sums = torch.zeros(n_seq, dtype=x.dtype).index_add(0, inverse, _masked(x, m) * m)  # [S]
-    counts = torch.zeros(n_seq, dtype=x.dtype).index_add(0, inverse, m)  # [S]
+    sums = x.new_zeros(n_seq).index_add(0, inverse, _masked(x, m) * m)  # [S]
+    counts = x.new_zeros(n_seq).index_add(0, inverse, m)  # [S]
     return sums, counts
 
 

@@ -15,6 +15,8 @@ w (the clip and the dual clip act on the ratio alone): `trainer/rl.py` applies i
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -23,7 +25,7 @@ def truncated_is_weights(
 ) -> torch.Tensor:
     """w = min(exp(old_logp - rollout_logp), cap) on sampled tokens, 1 elsewhere: all [T]."""
     log_w = torch.where(mask > 0, old_logp - rollout_logp, torch.zeros_like(old_logp))  # [T]
-    return torch.exp(log_w.clamp(max=torch.log(torch.tensor(cap)).item()))
+    return torch.exp(log_w.clamp(max=math.log(cap)))
 
 
 def drift_metrics(old_logp: list[torch.Tensor], rollout_logp: list[torch.Tensor], masks: list[torch.Tensor]):

