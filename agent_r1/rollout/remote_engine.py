@@ -107,9 +107,9 @@ class RemoteEngine:
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Have the server sample from `model`'s current weights (once per RL step, after the update).
 
-        Writes them (LoRA merged, under the plain model's names) to `<sync_dir>/weights.safetensors`
-        through a temporary file and a rename, so the server never reads a half-written file, then
-        POSTs its path to `/v1/load_weights` with the next version. Tied weights are written once."""
+        Writes them (LoRA merged, under the plain model's names, tied weights under each name) to
+        `<sync_dir>/weights/model.safetensors` through a temporary file and a rename, so the server never
+        reads a half-written file, then has the server load them as the next version (module docstring)."""
         if self.sync_dir is None:
             raise ValueError("weight sync needs sync_dir: a directory the server can read (RemoteEngine(sync_dir=...))")
         from safetensors.torch import save_file

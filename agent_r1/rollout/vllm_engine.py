@@ -15,10 +15,11 @@ corrects the difference with truncated importance sampling (`algo.tis_cap`, docs
 
 Weight sync: `sync_weights(model)` waits until no request is in flight and holds new ones back, then
 copies the trainer's weights (a LoRA policy merged, under the plain model's names) into vLLM's model
-with the model's own `load_weights` (which fuses q/k/v and gate/up as vLLM stores them) and drops the
-prefix cache, whose keys and values were computed with the old weights. So every response is sampled
-from one version of the weights. On a GPU, `sleep()` frees vLLM's KV cache and weights' memory
-for the update (vLLM's sleep mode) and `sync_weights` wakes it.
+with vLLM's in-place `reload_weights` (the model's own `load_weights`, which fuses q/k/v and gate/up as
+vLLM stores them, plus each layer's post-load processing) and drops the prefix cache, whose keys and
+values were computed with the old weights. So every response is sampled from one version of the
+weights. On a GPU, `sleep()` frees vLLM's KV cache and weights' memory for the update (vLLM's sleep
+mode); the next weight sync or request wakes it.
 
 vLLM runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the weights move by a memory copy
 rather than through a socket. vLLM lowers torch's thread count for itself on a CPU; the trainer's is
@@ -74,7 +75,6 @@ class VLLMEngine:
         self,
         model_path: str | Path,
         *,
-        device: str = "cpu",
         dtype: str = "float32",
         max_context: int | None = None,
         seed: int = 0,
@@ -87,8 +87,16 @@ class VLLMEngine:
         `gpu_memory_utilization` is the share of RAM vLLM reserves for its KV cache; `sleep` turns on
         vLLM's sleep mode (CUDA only) so `sleep()` can free its memory during the update."""
         import torch
+        from transformers import AutoConfig
 
         vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        # vLLM's CPU build cannot rewind a seeded request's generator after a partial (chunked) prefill
+        # ("CPU Generator does not use offset"), so on a CPU no prefill is ever split: a step's token
+        # budget holds the longest prompt, and the driver admits only prompts that fit in it whole.
+        self._cpu = current_platform.is_cpu()
+        longest = max_context or int(getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 2048))
         threads = torch.get_num_threads()
         self.llm = vllm.LLM(
             model=str(model_path),
@@ -101,11 +109,13 @@ class VLLMEngine:
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
             max_num_seqs=max_num_seqs,
+            **({"max_num_batched_tokens": max(4096, longest)} if self._cpu else {}),
         )
         torch.set_num_threads(threads)  # vLLM drops it to 1 "for serving"; the trainer needs its cores
         self._vllm = vllm
         self._engine = self.llm.llm_engine
         self.max_context = int(self.llm.llm_engine.model_config.max_model_len)
+        self._step_tokens = int(self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens)
         self.can_sleep = sleep
         self.asleep = False
         self.weights_version = 0
@@ -165,14 +175,14 @@ class VLLMEngine:
                     self._cond.wait()
                 if self._closed:
                     return
-                admit = [] if self._updating else self._queue
-                if admit:
-                    self._queue = []
+                admit = [] if self._updating else self._admissible()
                 abort, self._to_abort = [rid for rid in self._to_abort if rid in self._running], []
             if abort:  # callers that gave up: vLLM drops them from the batch
                 self._engine.abort_request(abort)
                 for rid in abort:
                     self._running.pop(rid, None)
+            if admit:
+                self._wake()  # a rollout after a step without an update: no weight sync woke vLLM
             for r in admit:
                 self._add(r)
             if not self._running:
@@ -187,6 +197,19 @@ class VLLMEngine:
                     self._resolve(r, _output(out, len(r.prompt)))
             with self._cond:
                 self._cond.notify_all()  # a waiting weight sync checks whether the batch has drained
+
+    def _admissible(self) -> list[_Request]:
+        """Queued requests to hand to vLLM now: all of them on a GPU; on a CPU those whose prompts fit
+        whole into this step's token budget next to the running requests' decode tokens (see __init__)."""
+        if not self._cpu:
+            admit, self._queue = self._queue, []
+            return admit
+        budget, n = self._step_tokens - len(self._running), 0
+        while n < len(self._queue) and (len(self._queue[n].prompt) <= budget or (n == 0 and not self._running)):
+            budget -= len(self._queue[n].prompt)
+            n += 1
+        admit, self._queue = self._queue[:n], self._queue[n:]
+        return admit
 
     def _add(self, r: _Request) -> None:
         if not r.prompt:
@@ -243,19 +266,23 @@ class VLLMEngine:
                 self._cond.wait()
         try:
             if self.asleep:
-                self.llm.wake_up(tags=["weights"])
+                self.llm.wake_up(tags=["weights"])  # the KV cache stays freed while the weights load
             # vLLM's in-place reload: the model's own load_weights (fusing q/k/v, gate/up) wrapped in the
             # layer-wise bookkeeping that redoes each layer's post-load processing (e.g. CPU repacking)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state.items())})
-            if self.asleep:
-                self.llm.wake_up(tags=["kv_cache"])
-                self.asleep = False
+            self._wake()
             self.llm.reset_prefix_cache()
             self.weights_version += 1
         finally:
             with self._cond:
                 self._updating = False
                 self._cond.notify_all()
+
+    def _wake(self) -> None:
+        """Give vLLM back its memory (a no-op when awake); only called while no request runs."""
+        if self.asleep:
+            self.llm.wake_up()  # whatever is still asleep: the KV cache, and the weights after a step without update
+            self.asleep = False
 
     def sleep(self) -> None:
         """Free vLLM's GPU memory (weights and KV cache) for the update; `sync_weights` wakes it. A no-op
