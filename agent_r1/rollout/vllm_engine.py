@@ -56,7 +56,26 @@ def import_vllm() -> Any:
         import vllm
     except ImportError as exc:
         raise VLLMNotInstalledError(f"rollout.engine=vllm needs vLLM ({exc}): {INSTALL_HINT}") from None
+    _guard_kernel_scan()
     return vllm
+
+
+def _guard_kernel_scan() -> None:
+    """vLLM's CPU platform swaps Triton kernels for its own by scanning every loaded module's globals
+    with `vars(value).get("kernel")`. An object whose `__getattr__` answers for `__dict__` breaks that:
+    llvmlite's `ffi.lib`, loaded with numba by bm25s (the HotpotQA search task) or vLLM itself, then
+    fails the engine's start with "'_lib_fn_wrapper' object has no attribute 'get'". The scan gets a
+    `vars` that treats a non-dict `__dict__` as empty, which is what it means."""
+    try:
+        from vllm.triton_utils import dispatcher
+    except ImportError:  # another vLLM build: no such scan
+        return
+
+    def scan_safe_vars(value: Any) -> dict:
+        namespace = vars(value)
+        return namespace if isinstance(namespace, dict) else {}
+
+    dispatcher.vars = scan_safe_vars  # a module global shadows the builtin for that module only
 
 
 @dataclass

@@ -67,7 +67,7 @@ from agent_r1.trainer.validation import make_validator
 from agent_r1.types import Termination, Trajectory
 from agent_r1.utils.progress import progress_bar
 
-RESUMABLE_CHANGES = ("steps", "resume", "save_every", "keep_last", "run_dir", "log", "health")
+RESUMABLE_CHANGES = ("steps", "resume", "save_every", "keep_last", "run_dir", "log", "health", "device")
 
 
 def train(

