@@ -29,6 +29,7 @@ restored after start-up.
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import os
 import random
@@ -101,10 +102,12 @@ class VLLMEngine:
         enforce_eager: bool = True,
         sleep: bool = False,
         max_num_seqs: int = 256,
+        kv_cache_gb: float | None = None,
     ) -> None:
-        """`model_path` is a Hugging Face directory (the policy's starting weights). On a CPU,
-        `gpu_memory_utilization` is the share of RAM vLLM reserves for its KV cache; `sleep` turns on
-        vLLM's sleep mode (CUDA only) so `sleep()` can free its memory during the update."""
+        """`model_path` is a Hugging Face directory (the policy's starting weights). `kv_cache_gb` sizes
+        the KV cache; None leaves it to `gpu_memory_utilization` on a GPU and makes it 4 GiB on a CPU,
+        because there vLLM counts this whole process (the trainer too) against that share of the RAM.
+        `sleep` turns on vLLM's sleep mode (CUDA only) so `sleep()` can free its memory for the update."""
         import torch
         from transformers import AutoConfig
 
@@ -116,6 +119,8 @@ class VLLMEngine:
         # budget holds the longest prompt, and the driver admits only prompts that fit in it whole.
         self._cpu = current_platform.is_cpu()
         longest = max_context or int(getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 2048))
+        if kv_cache_gb is None and self._cpu:
+            kv_cache_gb = 4.0
         threads = torch.get_num_threads()
         self.llm = vllm.LLM(
             model=str(model_path),
@@ -129,6 +134,7 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             max_num_seqs=max_num_seqs,
             **({"max_num_batched_tokens": max(4096, longest)} if self._cpu else {}),
+            **({"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if kv_cache_gb else {}),
         )
         torch.set_num_threads(threads)  # vLLM drops it to 1 "for serving"; the trainer needs its cores
         self._vllm = vllm
@@ -330,6 +336,8 @@ class VLLMEngine:
         for r in pending:
             self._resolve(r, RuntimeError("the vLLM engine was shut down"), running=False)
         self._driver.join(timeout=10)
+        del self.llm, self._engine  # vLLM's weights and KV cache go with the last reference
+        gc.collect()
 
 
 def _output(out: Any, prompt_len: int) -> GenerateOutput:

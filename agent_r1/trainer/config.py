@@ -19,7 +19,10 @@ Estimator = Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_base
 @dataclass
 class VLLMConfig:
     gpu_memory_utilization: float = 0.3
-    """share of GPU memory vLLM may take (weights + KV cache); on a CPU, the share of RAM it reserves"""
+    """share of GPU memory vLLM may take (weights + KV cache); unused on a CPU, where kv_cache_gb rules"""
+    kv_cache_gb: float | None = None
+    """vLLM's KV cache in GiB; None = what gpu_memory_utilization leaves on a GPU, 4 GiB on a CPU (where
+    vLLM would count the whole trainer process against gpu_memory_utilization of the RAM)"""
     enforce_eager: bool = True
     """no CUDA graphs / torch.compile: starts in seconds; set false on a GPU for faster decoding"""
     sleep: bool = True
@@ -211,6 +214,7 @@ class TrainConfig:
             ),
             (r.engine != "remote" or r.url, "rollout.engine=remote needs rollout.url (the server's base URL)"),
             (0 < r.vllm.gpu_memory_utilization <= 1, "rollout.vllm.gpu_memory_utilization must be in (0, 1]"),
+            ((r.vllm.kv_cache_gb or 1) > 0, f"rollout.vllm.kv_cache_gb must be > 0, got {r.vllm.kv_cache_gb}"),
             (a.tis_cap == 0 or a.tis_cap >= 1, f"algo.tis_cap must be 0 (off) or >= 1, got {a.tis_cap}"),
             (
                 not (self.val.every and getattr(self.task.options, "data", None) and "data" not in self.val.task),

@@ -168,7 +168,9 @@ def train(
             trained = [groups[ti] not in dropped for ti in where.row_owner]
             off_policy: dict[str, float] = {}
             if recompute:  # the trainer's log-probs are the ratio's anchor; the engine's only weight it (TIS)
-                off_policy = recompute_old_logprobs(policy, rows, cfg.optim.micro_batch_tokens, cfg.rollout.temperature)
+                kl_in_reward = ref is not None and cfg.algo.kl_mode == "reward"  # then every row's are used
+                need = rows if kl_in_reward else [r for r, keep in zip(rows, trained, strict=True) if keep]
+                off_policy = recompute_old_logprobs(policy, need, cfg.optim.micro_batch_tokens, cfg.rollout.temperature)
             kl_reward = 0.0
             if ref is not None and cfg.algo.kl_mode == "reward":  # the KL is part of every return
                 fill_ref_logprobs(ref, rows, cfg.optim.micro_batch_tokens, cfg.rollout.temperature)
@@ -231,6 +233,8 @@ def train(
                 save_checkpoint(run_dir, step + 1, modules, optimizer, scheduler, extra, keep=cfg.keep_last)
 
     loggers.close()
+    if isinstance(engine, VLLMEngine):
+        engine.shutdown()  # its KV cache and weights are not needed for the export
     plot_metrics(read_metrics(run_dir), run_dir / "plots" / "curves.png", title=str(run_dir))
     if not (validator and cfg.val.keep_best):  # with keep_best, policy/ already holds the best step
         export_policy(policy, tokenizer, run_dir / "policy", info=info | {"step": cfg.steps})
@@ -257,6 +261,7 @@ def _engine(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, run_dir: 
         return VLLMEngine(
             path, dtype=TORCH_DTYPES[cfg.dtype], seed=cfg.seed, gpu_memory_utilization=r.vllm.gpu_memory_utilization,
             enforce_eager=r.vllm.enforce_eager, sleep=r.vllm.sleep and cuda, max_num_seqs=r.max_batch_size,
+            kv_cache_gb=r.vllm.kv_cache_gb,
         )  # fmt: skip
     return LocalEngine(policy, tokenizer, max_batch_size=r.max_batch_size, seed=cfg.seed)
 

@@ -29,7 +29,7 @@ def smol():
 
     llvmlite.binding.ffi.lib.LLVMPY_GetProcessTriple  # noqa: B018 - materialise the library wrapper
     model, tokenizer = load_model("default")
-    engine = VLLMEngine(resolve_model_path("default"), max_context=1024, seed=0)
+    engine = VLLMEngine(resolve_model_path("default"), max_context=1024, seed=0, kv_cache_gb=1)
     yield model, tokenizer, engine
     engine.shutdown()
 

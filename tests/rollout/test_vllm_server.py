@@ -48,7 +48,7 @@ def vllm_server(tokenizer, tmp_path_factory):
     cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model_dir)]
     cmd += ["--port", str(port), "--host", "127.0.0.1", "--served-model-name", "tiny", "--seed", "0"]
     cmd += ["--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.1", "--max-model-len", "512"]
-    cmd += ["--logprobs-mode", "processed_logprobs"]
+    cmd += ["--logprobs-mode", "processed_logprobs", "--kv-cache-memory-bytes", str(2**30)]
     log = open(model_dir / "server.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, env=os.environ | {"VLLM_SERVER_DEV_MODE": "1"}, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 def test_vllm_rollouts_learn_like_local_ones(tmp_path, tokenizer):
     runs = {}
     for engine in ("local", "vllm"):
-        cfg = toy_config(tmp_path / engine, "steps=4", f"rollout.engine={engine}")
+        cfg = toy_config(tmp_path / engine, "steps=4", f"rollout.engine={engine}", "rollout.vllm.kv_cache_gb=0.5")
         model = make_tiny_llama(VOCAB, hidden=128, seed=0)  # head_dim 32: vLLM's CPU attention needs >= 32
         runs[engine] = train(cfg, model=model, tokenizer=tokenizer, make_env=LowIdEnv, tasks=TASKS)
     for engine, hist in runs.items():
