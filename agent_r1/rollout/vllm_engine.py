@@ -139,6 +139,7 @@ class VLLMEngine:
         torch.set_num_threads(threads)  # vLLM drops it to 1 "for serving"; the trainer needs its cores
         self._vllm = vllm
         self._engine = self.llm.llm_engine
+        self._tokenizer = self.llm.get_tokenizer()
         self.max_context = int(self.llm.llm_engine.model_config.max_model_len)
         self._step_tokens = int(self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens)
         self.can_sleep = sleep
@@ -219,7 +220,7 @@ class VLLMEngine:
                 continue
             for out in outputs:
                 if out.finished and (r := self._running.get(out.request_id)) is not None:
-                    self._resolve(r, _output(out, len(r.prompt)))
+                    self._resolve(r, self._output(out, len(r.prompt)))
             with self._cond:
                 self._cond.notify_all()  # a waiting weight sync checks whether the batch has drained
 
@@ -278,6 +279,24 @@ class VLLMEngine:
             self._queue = [r for r in self._queue if r.request_id not in ids]
             self._to_abort.extend(request_ids)
             self._cond.notify_all()
+
+    def _output(self, out: Any, prompt_len: int) -> GenerateOutput:
+        """A finished vLLM `RequestOutput` -> GenerateOutput. vLLM reports EOS as "stop" with no
+        stop_reason, a stop string as that string, a stop token id as an int. As with LocalEngine,
+        the EOS token is sampled and trained but not part of the text (vLLM's text would end in it)."""
+        c = out.outputs[0]
+        ids = list(c.token_ids)
+        logprobs = [float(d[t].logprob) for t, d in zip(ids, c.logprobs or [], strict=True)]
+        text = c.text
+        if c.finish_reason == "length":
+            reason = "length"
+        elif c.finish_reason == "stop" and isinstance(c.stop_reason, str):
+            reason = "stop"
+        elif c.finish_reason == "stop":
+            reason, text = "eos", self._tokenizer.decode(ids[:-1], skip_special_tokens=False)
+        else:
+            reason = str(c.finish_reason)
+        return GenerateOutput(ids, logprobs, text, reason, prompt_len)
 
     # --- weights and memory ------------------------------------------------------------------------
 
@@ -338,18 +357,3 @@ class VLLMEngine:
         self._driver.join(timeout=10)
         del self.llm, self._engine  # vLLM's weights and KV cache go with the last reference
         gc.collect()
-
-
-def _output(out: Any, prompt_len: int) -> GenerateOutput:
-    """A finished vLLM `RequestOutput` -> GenerateOutput. vLLM reports EOS as "stop" with no
-    stop_reason, a stop string as that string, a stop token id as an int."""
-    c = out.outputs[0]
-    ids = list(c.token_ids)
-    logprobs = [float(d[t].logprob) for t, d in zip(ids, c.logprobs or [], strict=True)]
-    if c.finish_reason == "length":
-        reason = "length"
-    elif c.finish_reason == "stop":
-        reason = "stop" if isinstance(c.stop_reason, str) else "eos"
-    else:
-        reason = str(c.finish_reason)
-    return GenerateOutput(ids, logprobs, c.text, reason, prompt_len)

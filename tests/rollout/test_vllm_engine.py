@@ -52,11 +52,12 @@ def generate(engine, prompts, **kw):
 def test_greedy_tokens_equal_the_local_engines(smol):
     model, tokenizer, engine = smol
     prompts = chat_prompts(tokenizer)
-    ours = generate(engine, prompts, max_new_tokens=24, temperature=0.0)
-    local = generate(LocalEngine(model, tokenizer, seed=0), prompts, max_new_tokens=24, temperature=0.0)
+    ours = generate(engine, prompts, max_new_tokens=48, temperature=0.0)
+    local = generate(LocalEngine(model, tokenizer, seed=0), prompts, max_new_tokens=48, temperature=0.0)
+    assert any(o.finish_reason == "eos" for o in local)  # the text of an answer that ended at EOS too
     for v, loc in zip(ours, local, strict=True):
         assert v.token_ids == loc.token_ids
-        assert v.finish_reason == loc.finish_reason
+        assert v.finish_reason == loc.finish_reason and v.text == loc.text
         assert max(abs(a - b) for a, b in zip(v.logprobs, loc.logprobs, strict=True)) < 1e-3
 
 
