@@ -29,11 +29,13 @@ restored after start-up.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
 import os
 import random
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -304,11 +306,7 @@ class VLLMEngine:
         """Make vLLM sample from `model`'s weights: waits for the running requests, holds new ones back,
         copies the weights in (LoRA merged) and drops the prefix cache computed with the old ones."""
         state = full_state_dict(model)
-        with self._cond:
-            self._updating = True
-            while self._running:
-                self._cond.wait()
-        try:
+        with self._paused():
             if self.asleep:
                 self.llm.wake_up(tags=["weights"])  # the KV cache stays freed while the weights load
             # vLLM's in-place reload: the model's own load_weights (fusing q/k/v, gate/up) wrapped in the
@@ -317,6 +315,17 @@ class VLLMEngine:
             self._wake()
             self.llm.reset_prefix_cache()
             self.weights_version += 1
+
+    @contextlib.contextmanager
+    def _paused(self) -> Iterator[None]:
+        """Hold new requests back and wait for the running ones to finish: inside, this thread may use
+        vLLM (otherwise only the driver thread does)."""
+        with self._cond:
+            self._updating = True
+            while self._running:
+                self._cond.wait()
+        try:
+            yield
         finally:
             with self._cond:
                 self._updating = False
@@ -333,17 +342,9 @@ class VLLMEngine:
         without sleep mode (on a CPU, or `rollout.vllm.sleep=false`)."""
         if not self.can_sleep or self.asleep:
             return
-        with self._cond:
-            if self._running or self._queue:
-                raise RuntimeError("cannot put vLLM to sleep while requests are running")
-            self._updating = True
-        try:
+        with self._paused():
             self.llm.sleep(level=1)
             self.asleep = True
-        finally:
-            with self._cond:
-                self._updating = False
-                self._cond.notify_all()
 
     def shutdown(self) -> None:
         """Stop the driver thread; pending callers get an error."""
