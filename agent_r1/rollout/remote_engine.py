@@ -77,6 +77,7 @@ class RemoteEngine:
         self.is_vllm = card.get("owned_by") == "vllm"
         self.weights_version = 0  # the version of the last weights the server accepted from this engine
         self._synced = False  # before the first sync the server's own weights are the policy
+        self._token_texts: dict[int, str] = {}  # EOS token id -> its text (vLLM servers)
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerateOutput]:
         """Sample one response per prompt; requests go out together, so the server can batch them.
@@ -188,7 +189,21 @@ class RemoteEngine:
             raise RemoteEngineError(f"{self.base_url}: {type(exc).__name__}: {exc}") from exc
         if r.status_code != 200:
             raise RemoteEngineError(f"{self.base_url} answered {r.status_code}: {_error_message(r)}")
-        return parse_choice(r.json()["choices"][0], len(prompt))
+        out = parse_choice(r.json()["choices"][0], len(prompt))
+        if self.is_vllm and out.finish_reason == "eos":  # vLLM's text ends in the EOS token's; ours never does
+            out.text = out.text.removesuffix(await self._token_text(client, out.token_ids[-1]))
+        return out
+
+    async def _token_text(self, client: httpx.AsyncClient, token_id: int) -> str:
+        """The text of one token, from vLLM's `/detokenize` (once per token id)."""
+        if token_id not in self._token_texts:
+            try:
+                r = await client.post(f"{self.root}/detokenize", json={"model": self.model, "tokens": [token_id]})
+                r.raise_for_status()
+            except httpx.HTTPError as exc:
+                raise RemoteEngineError(f"{self.root}/detokenize: {type(exc).__name__}: {exc}") from exc
+            self._token_texts[token_id] = r.json()["prompt"]
+        return self._token_texts[token_id]
 
     def _client(self) -> httpx.AsyncClient:
         """One connection pool per event loop (`AgentEnvLoop.run_sync` runs a new loop per call)."""

@@ -4,6 +4,7 @@ weights reach the server through vLLM's own endpoints, versions are checked, a d
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -82,6 +83,38 @@ def test_token_ids_and_logprobs_round_trip(vllm_server, tokenizer):
         assert o.prompt_len == len(prompt) and len(o.token_ids) == len(o.logprobs)
         ref = recompute_logprobs(model, prompt + o.token_ids)[len(prompt) - 1 :]
         assert (ref - torch.tensor(o.logprobs)).abs().max().item() < 1e-3
+
+
+def test_an_eos_ended_response_leaves_the_eos_text_out_as_the_other_engines_do(vllm_server, tokenizer):
+    url, _, _ = vllm_server
+    engine = RemoteEngine(url)
+    eos = tokenizer.eos_token_id
+
+    async def eos_text():
+        async with httpx.AsyncClient(base_url=engine.base_url) as client:
+            return await engine._token_text(client, eos)
+
+    assert asyncio.run(eos_text()) == tokenizer.decode([eos])  # from the server's /detokenize
+
+    choice = {  # what vLLM answers for a response that ended at EOS (skip_special_tokens=False)
+        "text": "The answer is 42." + tokenizer.decode([eos]),
+        "token_ids": [1, 2, eos],
+        "logprobs": {"token_logprobs": [-0.1, -0.2, -0.3]},
+        "finish_reason": "stop",
+        "stop_reason": None,
+    }
+
+    def handler(request):
+        if request.url.path.endswith("/detokenize"):
+            return httpx.Response(200, json={"prompt": tokenizer.decode(json.loads(request.content)["tokens"])})
+        return httpx.Response(200, json={"choices": [choice]})
+
+    async def one():
+        async with httpx.AsyncClient(base_url=engine.base_url, transport=httpx.MockTransport(handler)) as mock:
+            return await engine._one(mock, [5, 6], SamplingParams(max_new_tokens=4), 0)
+
+    out = asyncio.run(one())
+    assert (out.text, out.finish_reason, out.token_ids) == ("The answer is 42.", "eos", [1, 2, eos])
 
 
 def test_weights_reach_the_server_and_versions_are_checked(vllm_server, tokenizer, tmp_path):
