@@ -216,7 +216,8 @@ class LocalEngine:
         while True:
             tokens, logprobs = _sample(logits.float(), params, [gens[i] for i in rows])  # [b], [b]
             alive = []
-            for j, (i, tok, lp) in enumerate(zip(rows, tokens.tolist(), logprobs.tolist(), strict=True)):  # one copy
+            sampled = zip(rows, tokens.tolist(), logprobs.tolist(), strict=True)  # one device-to-host copy per step
+            for j, (i, tok, lp) in enumerate(sampled):
                 out_ids[i].append(tok)
                 out_lp[i].append(lp)
                 if on_token is not None and not on_token(i, tok, out_lp[i][-1]):
