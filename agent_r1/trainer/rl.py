@@ -97,7 +97,9 @@ def train(
     place_model(model, cfg.device, cfg.dtype)  # a model passed in too: its device, precision and kernels
     policy = with_lora(model, cfg.lora) if cfg.lora.enabled else model
     if cfg.optim.gradient_checkpointing:  # recompute activations in backward: less memory, ~1/3 more compute
-        policy.gradient_checkpointing_enable({"use_reentrant": False})
+        # transformers 5.20 renamed it (the old name stays as an alias); vLLM 0.32 on a GPU brings 5.19
+        enable = getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
+        enable({"use_reentrant": False})
     ref = reference_policy(policy, cfg.algo.kl_coef, cfg.lora.enabled)
     critic = Critic(policy, cfg.algo.critic).to(model_device(policy)) if cfg.algo.estimator == "ppo" else None
     modules: dict[str, torch.nn.Module] = {"policy": policy} | ({"critic": critic} if critic else {})
