@@ -20,8 +20,8 @@ load them with its own mechanism:
 - `vllm serve` (started with `VLLM_SERVER_DEV_MODE=1`, which exposes its RL endpoints): `/pause?mode=wait`
   (running requests finish, the prefix cache is dropped), `/collective_rpc` `reload_weights` from the
   directory (vLLM's in-place reload), `/update_weight_version`, `/resume`.
-Version check: the engine remembers the version it last pushed and reads the server's before and
-after every `generate` call; a server that serves other weights, or whose weights changed while the
+Version check: the engine remembers the version it last pushed and reads the server's after every
+`generate` call; a server that serves other weights, or whose weights changed while the
 call ran, is an error, so a rollout never mixes two policies silently.
 """
 
@@ -81,9 +81,9 @@ class RemoteEngine:
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerateOutput]:
         """Sample one response per prompt; requests go out together, so the server can batch them.
-        Once weights were synced, the server's weights version is checked before and after."""
+        Once weights were synced, the server's weights version is checked after the call: versions
+        only grow, so a change before or during the call shows then (one request per call, not two)."""
         client = self._client()
-        await self._check_version(client)
         outs = list(await asyncio.gather(*(self._one(client, p, params, i) for i, p in enumerate(prompts))))
         await self._check_version(client)
         return outs
