@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from agent_r1.distributed.fsdp import ROOT_FORWARD
 from agent_r1.models.precision import autocast
 
 
@@ -184,8 +185,7 @@ def token_logprobs(
     targets = mb.mask.nonzero().squeeze(-1)  # [M] positions of sampled tokens
     shared = mb.prefix_len > 0 and not _drops_kv_cache(_backbone(model))
     with autocast(model):  # bf16 matrix products when dtype=bf16; everything after the head is fp32
-        states = _shared_forward(model, mb) if shared else _packed_forward(model, mb)  # [L, H]
-        logits = model.get_output_embeddings()(states[targets - 1])
+        states, logits = _as_forward(model, _states_and_logits, model, mb, targets, shared)  # [L, H], [M, V]
     logits = logits.float()  # [M, V]
     for op, value in ops:  # none for most models (Llama, Qwen, Mistral, SmolLM, ...)
         if op == "softcap":
@@ -236,6 +236,21 @@ class _TokenLogprobs(torch.autograd.Function):
         grad = probs.mul_(-grad_logp[:, None])  # [M, V] = -g * softmax
         grad.scatter_add_(-1, ids[:, None], grad_logp[:, None])  # + g at the target
         return grad, None, None
+
+
+def _states_and_logits(
+    model: torch.nn.Module, mb: MicroBatch, targets: torch.Tensor, shared: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Last hidden states [L, H] and the logits [M, V] at the positions that predict `targets`."""
+    states = _shared_forward(model, mb) if shared else _packed_forward(model, mb)  # [L, H]
+    return states, model.get_output_embeddings()(states[targets - 1])
+
+
+def _as_forward(model: torch.nn.Module, fn, *args):
+    """`fn(*args)` as the model's forward: a model sharded by FSDP2 gathers its root weights (embeddings,
+    LM head) only around one (agent_r1/distributed/fsdp.py); any other model just runs `fn`."""
+    run = getattr(model, ROOT_FORWARD, None)
+    return run(fn, *args) if run is not None else fn(*args)
 
 
 def _packed_forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:

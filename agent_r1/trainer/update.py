@@ -10,8 +10,10 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from agent_r1.algos.losses import aggregate, gspo_policy_loss, kl_penalty, ppo_policy_loss, value_loss
+from agent_r1.distributed.group import SINGLE, Dist
 from agent_r1.models.precision import model_device
 from agent_r1.trainer.batching import Row, pack, token_logprobs
 from agent_r1.trainer.config import TrainConfig
@@ -27,8 +29,13 @@ def policy_update(
     params: list[torch.nn.Parameter],
     cfg: TrainConfig,
     step: int,
+    dist: Dist = SINGLE,
 ) -> dict[str, float]:
-    """Train on `rows`; returns the mean of every loss metric, grad norm, drift and counts."""
+    """Train on `rows`; returns the mean of every loss metric, grad norm, drift and counts.
+
+    Under torchrun every rank holds every row; each mini-batch is split between the ranks by tokens,
+    its normalisers are all-reduced, and every rank runs as many micro-batches as the busiest one (a
+    rank short of work repeats one with weight 0), so the collectives inside FSDP2 always pair up."""
     a, o = cfg.algo, cfg.optim
     stats: dict[str, list[float]] = {}
     skipped = train_tokens = updates = 0
@@ -45,14 +52,19 @@ def policy_update(
         order = torch.randperm(len(rows), generator=shuffle, device="cpu")  # row indices: CPU on any device
         for mini in order.chunk(a.mini_batches):
             batch = [rows[i] for i in mini.tolist()]
-            n_tokens = float(sum(r.mask.sum() for r in batch))
-            n_seqs = float(sum(len(r.seg[r.mask.bool()].unique()) for r in batch))
+            mine = dist.shard(batch, cost=lambda r: len(r.input_ids))
+            n_tokens, n_seqs = dist.sum(
+                sum(float(r.mask.sum()) for r in mine), sum(len(r.seg[r.mask.bool()].unique()) for r in mine)
+            )  # the whole mini-batch's
             if n_tokens == 0:
                 continue
             agg = {"mode": a.loss_agg, "n_tokens": n_tokens, "n_seqs": n_seqs, "norm_len": norm_len}
             optimizer.zero_grad(set_to_none=True)
             finite = True
-            for mb in pack(batch, o.micro_batch_tokens, device=device):
+            micro = pack(mine, o.micro_batch_tokens, device=device)
+            filler = micro[0] if micro else pack(batch[:1], o.micro_batch_tokens, device=device)[0]
+            for i in range(dist.max(len(micro))):
+                mb, weight = (micro[i], 1.0) if i < len(micro) else (filler, 0.0)
                 logp, entropy, hidden = token_logprobs(
                     policy, mb, cfg.rollout.temperature, entropy=True, entropy_grad=a.entropy_coef > 0,
                     hidden=critic is not None and critic.shared,
@@ -74,17 +86,23 @@ def policy_update(
                     )  # fmt: skip
                     loss = loss + a.vf_coef * vl
                     m |= vm | {"value_loss": vl.item()}
+                if weight == 0.0:  # a filler: its backward only keeps FSDP's collectives in step
+                    (loss * 0.0).backward()
+                    continue
                 if updates == 0:  # weights are still the rollout's: any difference is drift, not learning
-                    drift.append((logp.detach() - mb.old_logp)[mb.mask > 0].abs())
+                    drift.append((logp.detach() - mb.old_logp)[mb.mask > 0].abs().cpu())
                 if not torch.isfinite(loss):
                     finite = False
-                    break
+                    if dist.world == 1:
+                        break  # other ranks wait in this micro-batch's collectives: a rank must not leave
+                    continue
                 loss.backward()
                 train_tokens += mb.num_tokens
                 m["entropy"] = float((entropy.detach() * mb.mask).sum() / mb.mask.sum().clamp(min=1))
                 for k, v in m.items():
                     stats.setdefault(k, []).append(float(v))
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, o.grad_clip) if finite else torch.tensor(math.nan)
+            finite = dist.all(finite)
+            grad_norm = clip_grad_norm(params, o.grad_clip) if finite else torch.tensor(math.nan)
             if not finite or not torch.isfinite(grad_norm):
                 optimizer.zero_grad(set_to_none=True)  # never apply a NaN/inf update
                 skipped += 1
@@ -95,7 +113,33 @@ def policy_update(
             stats.setdefault("grad_norm", []).append(float(grad_norm))
     policy.eval()
     optimizer.zero_grad(set_to_none=True)  # gradients are not kept through the rollout: 4 B/param for vLLM
+    stats, drift, train_tokens = _gathered(dist, stats, drift, train_tokens)
     out = {k: sum(v) / len(v) for k, v in stats.items() if v}
     if drift and (d := torch.cat(drift)).numel():
         out |= {"logprob_drift_mean": float(d.mean()), "logprob_drift_max": float(d.max())}
     return out | {"train_tokens": train_tokens, "skipped_nonfinite": skipped, "updates": updates}
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale the gradients to a global norm of at most `max_norm`; returns the norm before clipping.
+    Under FSDP2 the gradients are shards (DTensors): their norm is reduced over every rank first."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+def _gathered(dist: Dist, stats: dict, drift: list, train_tokens: int) -> tuple[dict, list, int]:
+    """Every rank's metrics, drift and token count together (rank 0 logs them)."""
+    if dist.world == 1:
+        return stats, drift, train_tokens
+    parts = dist.gather((stats, drift, train_tokens))
+    merged: dict[str, list[float]] = {}
+    for rank_stats, _, _ in parts:
+        for k, v in rank_stats.items():
+            if k != "grad_norm":  # the global norm: the same on every rank
+                merged.setdefault(k, []).extend(v)
+    merged["grad_norm"] = stats.get("grad_norm", [])
+    return merged, [t for _, d, _ in parts for t in d], sum(n for _, _, n in parts)

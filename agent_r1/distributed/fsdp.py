@@ -1,0 +1,60 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`): every rank holds 1/N of each weight, gradient and
+AdamW state; a layer's full weights exist only while it runs (PyTorch's FSDP2 design, as in
+torchtitan and verl's FSDP workers).
+
+Units: each decoder layer, then the whole model as the root (embeddings, final norm and LM head, tied
+or not, in one unit). Gradients are reduce-scattered as *sums*, not means: the trainer's losses are
+already normalised by the whole mini-batch's token count (all-reduced), so summing the ranks' shares
+gives exactly the single-process gradient.
+
+The trainer reads log-probs through the decoder and the LM head separately (trainer/batching.py:
+logits only where a sampled token is predicted), not through `model.forward`. FSDP2 gathers the root's
+weights only around a forward, so `ROOT_FORWARD` is registered as one: `model.agent_r1_forward(fn,
+*args)` runs `fn(*args)` inside the root's pre/post-forward hooks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+
+ROOT_FORWARD = "agent_r1_forward"
+
+
+def shard(model: torch.nn.Module) -> torch.nn.Module:
+    """Shard `model` in place across the process group's ranks (decoder layers, then the root)."""
+    for layer in _decoder_layers(model):
+        fully_shard(layer)
+    setattr(model, ROOT_FORWARD, _call)
+    fully_shard(model)
+    register_fsdp_forward_method(model, ROOT_FORWARD)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)  # sum the ranks' gradients (see the module docstring) ...
+            m.set_force_sum_reduction_for_comms(True)  # ... with a plain SUM (gloo has no pre-scaled sum)
+    return model
+
+
+def _call(fn, *args):
+    return fn(*args)
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a Hugging Face model (`config.num_hidden_layers` of them), found as the
+    longest ModuleList; none for a module without one (a value head)."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded weights, on every rank (an all-gather per tensor), under the plain model's names."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+@torch.no_grad()
+def copy_full_weights(sharded: torch.nn.Module, plain: torch.nn.Module) -> None:
+    """Gather `sharded`'s weights into the unsharded copy `plain` (the rollout model, the export)."""
+    target = plain.state_dict()
+    for name, t in full_weights(sharded).items():
+        target[name].copy_(t)

@@ -1,0 +1,108 @@
+"""`Dist`: this process's place in a torchrun job, and the few collectives the trainer needs.
+
+torchrun starts N copies of `agent-r1 train` and tells each its rank through the environment
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT). `init_distributed` joins the process group (gloo on
+a CPU, NCCL on a GPU); a plain `agent-r1 train` is world 1 and every collective below is the identity,
+so the trainer has one code path. Objects (trajectories, metrics) move with the *_object collectives:
+they are small next to the weights, and pickling keeps the token ids exact.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Dist:
+    """Rank and world size; collectives that are no-ops in a single process."""
+
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        """Rank 0 alone logs, writes records and exports."""
+        return self.rank == 0
+
+    def shard(self, items: Sequence[T], cost: Callable[[T], int]) -> list[T]:
+        """This rank's share of `items` (the same list on every rank), balanced by `cost`: longest
+        first, each to the least-loaded rank, ties to the lower rank. Order is kept within a share."""
+        if self.world == 1:
+            return list(items)
+        load = [0] * self.world
+        owner = [0] * len(items)
+        for i in sorted(range(len(items)), key=lambda i: (-cost(items[i]), i)):
+            r = min(range(self.world), key=lambda r: (load[r], r))
+            owner[i] = r
+            load[r] += cost(items[i])
+        return [x for x, r in zip(items, owner, strict=True) if r == self.rank]
+
+    def sum(self, *values: float) -> list[float]:
+        """Each value summed over ranks (fp64: token counts stay exact)."""
+        return self._reduce(values, torch.distributed.ReduceOp.SUM if self.world > 1 else None)
+
+    def max(self, value: int) -> int:
+        return int(self._reduce([value], torch.distributed.ReduceOp.MAX if self.world > 1 else None)[0])
+
+    def all(self, flag: bool) -> bool:
+        """True on every rank iff true on every rank (a NaN on one rank skips the step everywhere)."""
+        return bool(self._reduce([float(flag)], torch.distributed.ReduceOp.MIN if self.world > 1 else None)[0])
+
+    def gather(self, obj: T) -> list[T]:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj: T) -> T:
+        """Rank 0's `obj` on every rank."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    def _reduce(self, values: Sequence[float], op: Any) -> list[float]:
+        if op is None:
+            return [float(v) for v in values]
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_collective_device())
+        torch.distributed.all_reduce(t, op=op)
+        return t.tolist()
+
+
+SINGLE = Dist()  # a plain process: every collective is the identity
+
+
+def _collective_device() -> torch.device:
+    """NCCL reduces CUDA tensors, gloo CPU ones."""
+    return torch.device("cuda") if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+
+
+def init_distributed(device: str, timeout_s: float = 1800.0) -> Dist:
+    """Join torchrun's process group when launched by it (WORLD_SIZE > 1), else a single process.
+
+    Each rank uses GPU LOCAL_RANK on a GPU machine. A torch.distributed job whose process group is
+    already up (a test, a user's own launcher) is joined as it is."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Dist()
+    if not torch.distributed.is_initialized():
+        cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    return Dist(torch.distributed.get_rank(), torch.distributed.get_world_size())

@@ -1,0 +1,34 @@
+"""FSDP2 on 2 gloo processes: one update equals the single-process update on the same batch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.distributed.conftest import launch
+from tests.trainer.conftest import tiny_model
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "ppo"])
+def test_two_fsdp_processes_take_the_single_process_step(tmp_path, estimator):
+    """GRPO: one optimizer step; PPO: a value head, a KL term and two mini-batches (two steps). The
+    2-rank job splits every mini-batch between the ranks (uneven micro-batch counts included)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    launch(["-m", "tests.distributed.update_worker", str(one), estimator], nproc=1)
+    launch(["-m", "tests.distributed.update_worker", str(two), estimator], nproc=2)
+    a, b = load_file(one / "weights.safetensors"), load_file(two / "weights.safetensors")
+    start = {f"policy.{k}": v for k, v in tiny_model(seed=0).state_dict().items()}
+    assert a.keys() == b.keys() and len(a) > 10
+    assert any(k.startswith("critic.head") for k in a) == (estimator == "ppo")
+    for k in a:
+        scale = a[k].norm().clamp(min=1e-12)
+        assert float((a[k] - b[k]).norm() / scale) <= 1e-5, k
+        if k in start:  # the step really moved the weights: the comparison is not of two untouched models
+            assert float((a[k] - start[k]).norm() / scale) > 1e-3, k
+    ma, mb = json.loads((one / "metrics.json").read_text()), json.loads((two / "metrics.json").read_text())
+    assert ma["updates"] == mb["updates"] == (2 if estimator == "ppo" else 1)
+    assert ma["train_tokens"] == mb["train_tokens"]  # every row trained once, on one rank
+    assert mb["grad_norm"] == pytest.approx(ma["grad_norm"], rel=1e-5)
