@@ -84,6 +84,18 @@ class Dist:
         return t.tolist()
 
 
+def contiguous_shards(items: Sequence[T], n: int) -> list[tuple[int, list[T]]]:
+    """`items` cut into `n` consecutive shards whose sizes differ by at most one, each with the index of
+    its first item: gathered in order, the shards' results are the whole batch's, in its order."""
+    size, extra = divmod(len(items), n)
+    out, start = [], 0
+    for k in range(n):
+        end = start + size + (k < extra)
+        out.append((start, list(items[start:end])))
+        start = end
+    return out
+
+
 SINGLE = Dist()  # a plain process: every collective is the identity
 
 

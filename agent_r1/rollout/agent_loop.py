@@ -40,17 +40,19 @@ class AgentEnvLoop:
         self.max_steps = max_steps  # a safety cap; envs normally end episodes themselves
         self.seed = seed
 
-    async def run(self, tasks: list[dict[str, Any]], group_size: int = 1) -> list[Trajectory]:
-        """Trajectories of every task × `group_size` samples, grouped task by task."""
+    async def run(self, tasks: list[dict[str, Any]], group_size: int = 1, first_index: int = 0) -> list[Trajectory]:
+        """Trajectories of every task × `group_size` samples, grouped task by task. Trajectory i is
+        seeded as the loop's `first_index + i`-th: a worker given a share of a batch samples its
+        trajectories exactly as one loop over the whole batch would."""
         trajs = []
         for task in tasks:
             group = uuid.uuid4().hex[:12]
             trajs += [Trajectory(task=task, traj_id=f"{group}-{g}", group_id=group) for g in range(group_size)]
-        await asyncio.gather(*(self._episode(t, i) for i, t in enumerate(trajs)))
+        await asyncio.gather(*(self._episode(t, first_index + i) for i, t in enumerate(trajs)))
         return trajs
 
-    def run_sync(self, tasks: list[dict[str, Any]], group_size: int = 1) -> list[Trajectory]:
-        return asyncio.run(self.run(tasks, group_size))
+    def run_sync(self, tasks: list[dict[str, Any]], group_size: int = 1, first_index: int = 0) -> list[Trajectory]:
+        return asyncio.run(self.run(tasks, group_size, first_index))
 
     async def _episode(self, traj: Trajectory, index: int) -> None:
         env = self.make_env()

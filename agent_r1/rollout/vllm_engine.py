@@ -35,7 +35,7 @@ import itertools
 import os
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -303,9 +303,13 @@ class VLLMEngine:
     # --- weights and memory ------------------------------------------------------------------------
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Make vLLM sample from `model`'s weights: waits for the running requests, holds new ones back,
-        copies the weights in (LoRA merged) and drops the prefix cache computed with the old ones."""
-        state = full_state_dict(model)
+        """Make vLLM sample from `model`'s weights (LoRA merged)."""
+        self.load_weights(full_state_dict(model))
+
+    def load_weights(self, state: Mapping[str, torch.Tensor], version: int | None = None) -> int:
+        """Copy `state` (the plain model's names) into vLLM's model: waits for the running requests, holds
+        new ones back, reloads, and drops the prefix cache computed with the old weights. Returns the
+        number of tensors; `weights_version` becomes `version`, by default the previous one + 1."""
         with self._paused():
             if self.asleep:
                 self.llm.wake_up(tags=["weights"])  # the KV cache stays freed while the weights load
@@ -314,7 +318,8 @@ class VLLMEngine:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state.items())})
             self._wake()
             self.llm.reset_prefix_cache()
-            self.weights_version += 1
+            self.weights_version = self.weights_version + 1 if version is None else version
+        return len(state)
 
     @contextlib.contextmanager
     def _paused(self) -> Iterator[None]:

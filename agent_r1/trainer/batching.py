@@ -20,13 +20,15 @@ Bins are filled first-fit-decreasing by the tokens they will actually compute.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
 from agent_r1.distributed.fsdp import ROOT_FORWARD
-from agent_r1.models.precision import autocast
+from agent_r1.distributed.group import SINGLE, Dist
+from agent_r1.models.precision import autocast, model_device
 
 
 @dataclass
@@ -105,6 +107,33 @@ def pack(
         c = _shared_prefix(current) if len(current) > 1 else 0
         out.append(_concat(current, c, device))
     return out + [_concat(b, 0, device) for b in _first_fit(loose, max_tokens)]
+
+
+def forward_rows(
+    model: torch.nn.Module,
+    rows: list[Row],
+    max_tokens: int,
+    fn: Callable[[MicroBatch], torch.Tensor],
+    dist: Dist = SINGLE,
+) -> list[torch.Tensor]:
+    """`fn(micro-batch) -> [L]` over the rows packed like the update; returns each row's part [T] on the
+    CPU, in the order of `rows`. Under torchrun each rank runs its share of the rows (as many
+    micro-batches as the busiest rank: FSDP2's gathers pair up) and the parts are all-gathered."""
+    device = model_device(model)
+    mine = dist.shard(range(len(rows)), cost=lambda i: len(rows[i].input_ids))
+    micro = pack([rows[i] for i in mine], max_tokens, device=device)
+    index = {id(rows[i]): i for i in mine}
+    parts: dict[int, torch.Tensor] = {}
+    for k in range(dist.max(len(micro))):
+        if k >= len(micro):  # this rank is out of rows: a repeat whose result is dropped
+            fn(micro[0] if micro else pack(rows[:1], max_tokens, device=device)[0])
+            continue
+        mb = micro[k]
+        for row, part in zip(mb.rows, fn(mb).cpu().split(mb.row_lens), strict=True):
+            parts[index[id(row)]] = part
+    if dist.world > 1:
+        parts = {i: t for rank_parts in dist.gather(parts) for i, t in rank_parts.items()}
+    return [parts[i] for i in range(len(rows))]
 
 
 def _cost(rows: list[Row]) -> int:

@@ -18,8 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from agent_r1.distributed.group import SINGLE, Dist
 from agent_r1.models.loading import EXPORT_INFO
 from agent_r1.models.lora import merged_copy
 from agent_r1.models.precision import rng_state, set_rng_state
@@ -40,8 +43,12 @@ def save_checkpoint(
     scheduler: Any,
     extra: dict[str, Any],
     keep: int = 2,
+    dist: Dist = SINGLE,
 ) -> Path:
-    """Write checkpoint `step` atomically; prune all but the newest `keep`; return its path."""
+    """Write checkpoint `step` atomically; prune all but the newest `keep`; return its path.
+    Under torchrun every rank calls it and writes its own shards (`_save_sharded`)."""
+    if dist.world > 1:
+        return _save_sharded(Path(run_dir), step, modules, optimizer, scheduler, extra, keep, dist)
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
@@ -66,9 +73,58 @@ def save_checkpoint(
         _fsync_dir(root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _prune(root, keep)
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
     for old in sorted(_complete(root))[:-keep] if keep > 0 else []:
         shutil.rmtree(old[1], ignore_errors=True)
+
+
+def _save_sharded(
+    run_dir: Path, step: int, modules: dict, optimizer: torch.optim.Optimizer, scheduler: Any, extra: dict,
+    keep: int, dist: Dist,
+) -> Path:  # fmt: skip
+    """A torchrun job's checkpoint: every rank writes its shards of the weights and of the AdamW state
+    with `torch.distributed.checkpoint` (DCP) into `state/`, and its own RNG state; rank 0 adds the
+    scheduler, meta.json last, and renames the directory into place once every rank has written."""
+    root = run_dir / "checkpoints"
+    final, tmp = root / f"step_{step:06d}", root / f".tmp-step_{step:06d}"
+    if dist.main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a save killed half-way
+        tmp.mkdir()
+    dist.barrier()
+    model_state, optim_state = get_state_dict(torch.nn.ModuleDict(modules), optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp / "state")
+    torch.save({"torch_rng": rng_state(), "python_rng": random.getstate()}, tmp / f"rng_rank{dist.rank}.pt")
+    dist.barrier()
+    if dist.main:
+        torch.save({"scheduler": scheduler.state_dict()}, tmp / "trainer_state.pt")
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": dist.world, **extra}, indent=1))
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _prune(root, keep)
+    dist.barrier()
     return final
+
+
+def _load_sharded(path: Path, modules: dict, optimizer: torch.optim.Optimizer, scheduler: Any, dist: Dist) -> None:
+    """Restore a `_save_sharded` checkpoint on the same number of ranks."""
+    model_state, optim_state = get_state_dict(torch.nn.ModuleDict(modules), optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path / "state")
+    set_state_dict(
+        torch.nn.ModuleDict(modules), optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    scheduler.load_state_dict(torch.load(path / "trainer_state.pt", weights_only=False)["scheduler"])
+    rng = torch.load(path / f"rng_rank{dist.rank}.pt", weights_only=False)
+    set_rng_state(rng["torch_rng"])
+    random.setstate(rng["python_rng"])
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -78,9 +134,23 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def load_checkpoint(
-    path: Path, modules: dict[str, torch.nn.Module], optimizer: torch.optim.Optimizer, scheduler: Any
+    path: Path,
+    modules: dict[str, torch.nn.Module],
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    dist: Dist = SINGLE,
 ) -> dict[str, Any]:
-    """Restore modules, optimizer, scheduler and RNG states; return meta (step, data cursor, ...)."""
+    """Restore modules, optimizer, scheduler and RNG states; return meta (step, data cursor, ...).
+    A checkpoint resumes on the number of processes that wrote it (anything else is a one-line error)."""
+    meta = json.loads((path / "meta.json").read_text())
+    if (saved := meta.get("world_size", 1)) != dist.world:
+        how = f"torchrun --nproc_per_node {saved}" if saved > 1 else "one process (plain agent-r1 train)"
+        raise ValueError(
+            f"{path} was written by {saved} training process(es), this run has {dist.world}: resume it with {how}"
+        )
+    if dist.world > 1:
+        _load_sharded(path, modules, optimizer, scheduler, dist)
+        return meta
     for name, module in modules.items():
         load_trained_state(path / f"{name}.safetensors", module)
     trainer_state = torch.load(path / "trainer_state.pt", weights_only=False)
@@ -89,7 +159,7 @@ def load_checkpoint(
     rng = trainer_state["torch_rng"]
     set_rng_state(rng if isinstance(rng, dict) else {"cpu": rng})  # older checkpoints: the CPU state alone
     random.setstate(trainer_state["python_rng"])
-    return json.loads((path / "meta.json").read_text())
+    return meta
 
 
 def load_trained_state(file: Path, module: torch.nn.Module) -> None:
@@ -117,7 +187,7 @@ def _complete(root: Path) -> list[tuple[int, Path]]:
 
 def _fsync_dir(path: Path) -> None:
     """Flush a directory's files and entry to disk, so a rename after it publishes complete data."""
-    for f in path.iterdir():
+    for f in path.rglob("*"):
         if f.is_file():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -165,6 +235,7 @@ def resume(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     may_change: tuple[str, ...] = (),
+    dist: Dist = SINGLE,
 ) -> dict[str, Any] | None:
     """Restore the newest checkpoint of `run_dir` and return its meta (None: nothing to resume).
 
@@ -180,7 +251,7 @@ def resume(
             f"{run_dir} holds a run whose config differs at '{key}' ({_at(saved, key)!r} there, "
             f"{_at(now, key)!r} now): resume it with the same value, or train in a new run_dir"
         )
-    return load_checkpoint(ckpt, modules, optimizer, scheduler) | {"path": str(ckpt)}
+    return load_checkpoint(ckpt, modules, optimizer, scheduler, dist) | {"path": str(ckpt)}
 
 
 def first_difference(a: Any, b: Any, skip: tuple[str, ...] = (), prefix: str = "") -> str | None:

@@ -157,6 +157,24 @@ class ValConfig:
 
 
 @dataclass
+class ClusterConfig:
+    rollout_workers: int = 0
+    """Ray actors that roll out, each with its own engine and envs (0 = roll out in the trainer's
+    process; under torchrun every rank rolls out its share of the tasks)"""
+    address: str = ""
+    """an existing Ray cluster to join (host:6379 or ray://host:10001); empty = start a local Ray"""
+    worker_cpus: float = 1.0
+    """CPUs each rollout worker reserves (its torch threads)"""
+    worker_gpus: float = 0.0
+    """GPUs each rollout worker reserves (1 for a vLLM worker on a GPU node)"""
+    retries: int = 1
+    """a worker that dies is restarted, and its tasks are rolled out again this many times before
+    they count as errored episodes"""
+    retrieval_actor: bool = False
+    """the search task's index runs as one more Ray actor that every worker queries over HTTP"""
+
+
+@dataclass
 class TrainConfig:
     model: str = "default"
     """"default", a bundled model name, a Hugging Face directory, or a checkpoint export"""
@@ -194,6 +212,8 @@ class TrainConfig:
     """training-health diagnostics and their thresholds"""
     val: ValConfig = field(default_factory=ValConfig)
     """validation during training and best-checkpoint selection"""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Ray rollout workers (training on N processes is torchrun's: docs/distributed.md)"""
 
     def __post_init__(self) -> None:
         a, r, o = self.algo, self.rollout, self.optim
@@ -228,6 +248,12 @@ class TrainConfig:
             (o.grad_clip > 0, f"optim.grad_clip must be > 0, got {o.grad_clip}"),
             (self.save_every >= 1 and self.keep_last >= 1, "save_every and keep_last must be >= 1"),
             (self.val.every >= 0 and self.val.num_tasks >= 1, "val.every must be >= 0 and val.num_tasks >= 1"),
+            (self.cluster.rollout_workers >= 0, "cluster.rollout_workers must be >= 0"),
+            (
+                r.engine != "remote" or not self.cluster.rollout_workers,
+                "rollout.engine=remote already rolls out elsewhere: cluster.rollout_workers must be 0",
+            ),
+            (self.cluster.retries >= 0, f"cluster.retries must be >= 0, got {self.cluster.retries}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -12,8 +12,9 @@ import copy
 import torch
 
 from agent_r1.algos import advantages as adv_fns
-from agent_r1.models.precision import autocast, model_device
-from agent_r1.trainer.batching import MicroBatch, Row, pack, token_logprobs
+from agent_r1.distributed.group import SINGLE, Dist
+from agent_r1.models.precision import autocast
+from agent_r1.trainer.batching import MicroBatch, Row, forward_rows, token_logprobs
 from agent_r1.trainer.rows import RowIndex
 
 
@@ -46,12 +47,16 @@ class Critic(torch.nn.Module):
 
 
 @torch.no_grad()
-def fill_old_values(critic: Critic, policy: torch.nn.Module, rows: list[Row], micro_batch_tokens: int) -> None:
+def fill_old_values(
+    critic: Critic, policy: torch.nn.Module, rows: list[Row], micro_batch_tokens: int, dist: Dist = SINGLE
+) -> None:
     """Critic values at rollout time (the clipping anchor and the GAE baseline)."""
-    for mb in pack(rows, micro_batch_tokens, device=model_device(policy)):
-        hidden = token_logprobs(policy, mb, hidden=True)[2] if critic.shared else None
-        for row, part in zip(mb.rows, critic(mb, hidden).cpu().split(mb.row_lens), strict=True):
-            row.old_values = part
+
+    def values(mb: MicroBatch) -> torch.Tensor:  # [L]
+        return critic(mb, token_logprobs(policy, mb, hidden=True)[2] if critic.shared else None)
+
+    for row, v in zip(rows, forward_rows(policy, rows, micro_batch_tokens, values, dist), strict=True):
+        row.old_values = v
 
 
 def value_mask(mb: MicroBatch, level: str) -> torch.Tensor:

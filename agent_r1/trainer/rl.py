@@ -9,6 +9,11 @@
       6. weight sync  the engine samples from the new weights (a no-op when it holds the same model)
       7. log, validate, checkpoint
 
+Under torchrun (docs/distributed.md) each rank rolls out its share of the tasks and every rank gets all
+the trajectories, so steps 2-4 are the same computation everywhere; the model passes of steps 3 and 5
+split the rows between the ranks, whose FSDP2 shards make one model. With `cluster.rollout_workers`,
+Ray actors roll out instead (rank 0 drives them). Rank 0 alone logs, validates and exports.
+
 With the local engine in fp32 the importance ratio uses the rollout log-probs (the engine computes
 them with the trainer's own model, weights and temperature), so there is no extra "old log-prob"
 forward pass; the log-prob consistency test is what makes that safe. vLLM, a server or bf16 compute
@@ -18,6 +23,7 @@ importance sampling (algos/off_policy.py).
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from collections import Counter
@@ -33,6 +39,9 @@ from agent_r1.algos import advantages as adv_fns
 from agent_r1.algos.rewards import kl_penalized, step_rewards, zero_variance_groups
 from agent_r1.config import to_dict
 from agent_r1.data.sampler import TaskSampler
+from agent_r1.distributed import fsdp
+from agent_r1.distributed.group import Dist, contiguous_shards, init_distributed
+from agent_r1.distributed.ray_rollout import RayRollout, connect_ray
 from agent_r1.env.base import Env
 from agent_r1.models.loading import load_model, place_model, resolve_model_path
 from agent_r1.models.lora import merged_copy, with_lora
@@ -80,11 +89,14 @@ def train(
     console: Console | None = None,
 ) -> list[dict[str, float]]:
     """Run RL from `cfg`; `model`/`tokenizer`/`make_env`/`tasks` replace the config's model and task."""
-    console = console or Console()
+    dist = init_distributed(cfg.device)  # torchrun's process group, or a single process
+    console = console or Console(quiet=not dist.main)
     if tasks is not None and cfg.val.every and "data" not in cfg.val.task:  # fail before any model loads
         raise ValueError("val.every is set and the training tasks were passed in: give val.task.data (a jsonl)")
     if cfg.rollout.engine == "vllm":
         import_vllm()  # not installed: one line saying how, before any model loads
+    if cfg.cluster.rollout_workers and dist.main:
+        connect_ray(cfg.cluster.address)  # Ray missing or an address that does not answer: one line, now
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -100,8 +112,16 @@ def train(
         # transformers 5.20 renamed it (the old name stays as an alias); vLLM 0.32 on a GPU brings 5.19
         enable = getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
         enable({"use_reentrant": False})
-    ref = reference_policy(policy, cfg.algo.kl_coef, cfg.lora.enabled)
+    if dist.world > 1 and cfg.lora.enabled:
+        raise ValueError("lora.enabled under torchrun is not supported yet: train LoRA in one process")
+    ref = reference_policy(policy, cfg.algo.kl_coef, cfg.lora.enabled, sharded=dist.world > 1)
     critic = Critic(policy, cfg.algo.critic).to(model_device(policy)) if cfg.algo.estimator == "ppo" else None
+    plain = policy  # the unsharded model that rolls out, validates and is exported
+    if dist.world > 1:  # FSDP2: each rank keeps 1/N of the trained weights; `plain` gets them after each step
+        plain = copy.deepcopy(policy)
+        fsdp.shard(policy)
+        if critic is not None:
+            fsdp.shard(critic)
     modules: dict[str, torch.nn.Module] = {"policy": policy} | ({"critic": critic} if critic else {})
     params = list({id(p): p for m in modules.values() for p in m.parameters() if p.requires_grad}.values())
     optimizer = adamw(params, cfg.optim.lr, cfg.optim.weight_decay)
@@ -109,7 +129,7 @@ def train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_schedule(total_updates, cfg.optim.warmup_steps, cfg.optim.schedule)
     )
-    engine = _engine(cfg, policy, tokenizer, run_dir, chat_hint is not None)
+    engine = _engine(cfg, plain, tokenizer, run_dir, chat_hint is not None)
     recompute = cfg.algo.recompute_old_logprobs(cfg.rollout.engine, cfg.dtype)
 
     # --- task: training tasks, the env factory, validation -------------------------------------------
@@ -118,19 +138,27 @@ def train(
     make_env = make_env or cfg.task.env_factory(tokenizer, chat, cfg.rollout.max_turns)
     sampler = TaskSampler(tasks if tasks is not None else cfg.task.tasks("train", 4096, cfg.seed), cfg.seed)
     info = policy_info(cfg.model, chat, cfg.task.to_raw() if own_task else None)
-    validator = make_validator(cfg, engine, None if own_task else make_env, policy, tokenizer, chat, info, console)
+    validator = None
+    if dist.main:  # greedy validation on rank 0's own engine; the other ranks wait in the next collective
+        validator = make_validator(cfg, engine, None if own_task else make_env, plain, tokenizer, chat, info, console)
+    workers = None
+    if cfg.cluster.rollout_workers and dist.main:
+        source = cfg.model if chat_hint is not None else plain
+        workers = RayRollout(cfg.cluster, cfg.rollout, source, tokenizer, make_env, cfg.seed, cfg.dtype, run_dir)
 
     start = 0
-    if cfg.resume and (meta := resume(run_dir, to_dict(cfg), modules, optimizer, scheduler, RESUMABLE_CHANGES)):
+    if cfg.resume and (meta := resume(run_dir, to_dict(cfg), modules, optimizer, scheduler, RESUMABLE_CHANGES, dist)):
         start, sampler.cursor = meta["step"], meta["cursor"]
         if validator:
             validator.restore(meta.get("best"))
         console.print(f"resumed from {meta['path']} (step {start})")
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    loggers = Loggers(cfg.log, run_dir, to_dict(cfg), keep_until=start if start else -1)
+    if dist.main:
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        loggers = Loggers(cfg.log, run_dir, to_dict(cfg), keep_until=start if start else -1)
     health = HealthMonitor(cfg.health, console)
     history = []
-    engine.sync_weights(policy)  # a remote engine starts from the policy being trained (after a resume too)
+    sync = _weight_sync(dist, policy, plain, engine, workers)
+    sync()  # the engines start from the policy being trained (after a resume too)
     if validator and start == 0:  # the starting policy is a candidate too: RL must beat it to be kept
         history.append({"step": 0} | validator(0))
         loggers.log(history[-1], 0)
@@ -141,8 +169,14 @@ def train(
 
             # 1. rollout -------------------------------------------------------------------------------
             policy.eval()
-            loop = AgentEnvLoop(engine, make_env, cfg.rollout.sampling(), seed=cfg.seed * 1_000_003 + step)
-            trajs = loop.run_sync(sampler.take(cfg.rollout.tasks_per_step), cfg.rollout.group_size)
+            tasks, seed = sampler.take(cfg.rollout.tasks_per_step), cfg.seed * 1_000_003 + step
+            if cfg.cluster.rollout_workers:  # Ray actors, driven by rank 0
+                trajs = dist.broadcast(workers.run(tasks, cfg.rollout.group_size, seed) if workers else None)
+            else:  # this process's engine; under torchrun each rank its consecutive share of the tasks
+                start_task, mine = contiguous_shards(tasks, dist.world)[dist.rank]
+                loop = AgentEnvLoop(engine, make_env, cfg.rollout.sampling(), seed=seed)
+                mine = loop.run_sync(mine, cfg.rollout.group_size, first_index=start_task * cfg.rollout.group_size)
+                trajs = [t for part in dist.gather(mine) for t in part]
             if isinstance(engine, VLLMEngine):
                 engine.sleep()  # on a GPU: vLLM's memory goes to the update until the weight sync wakes it
             t1 = time.perf_counter()
@@ -172,18 +206,20 @@ def train(
             if recompute:  # the trainer's log-probs are the ratio's anchor; the engine's only weight it (TIS)
                 kl_in_reward = ref is not None and cfg.algo.kl_mode == "reward"  # then every row's are used
                 need = rows if kl_in_reward else [r for r, keep in zip(rows, trained, strict=True) if keep]
-                off_policy = recompute_old_logprobs(policy, need, cfg.optim.micro_batch_tokens, cfg.rollout.temperature)
+                off_policy = recompute_old_logprobs(
+                    policy, need, cfg.optim.micro_batch_tokens, cfg.rollout.temperature, dist
+                )
             kl_reward = 0.0
             if ref is not None and cfg.algo.kl_mode == "reward":  # the KL is part of every return
-                fill_ref_logprobs(ref, rows, cfg.optim.micro_batch_tokens, cfg.rollout.temperature)
+                fill_ref_logprobs(ref, rows, cfg.optim.micro_batch_tokens, cfg.rollout.temperature, dist)
                 kls = step_kl(rows, where, cfg.algo.kl_estimator)
                 rewards = kl_penalized(rewards, kls, cfg.algo.kl_coef)
                 kl_reward = cfg.algo.kl_coef * float(sum(k.sum() for k in kls)) / max(1, len(kls))
             elif ref is not None:  # only rows the update will see need one
                 kept_rows = [r for r, keep in zip(rows, trained, strict=True) if keep]
-                fill_ref_logprobs(ref, kept_rows, cfg.optim.micro_batch_tokens, cfg.rollout.temperature)
+                fill_ref_logprobs(ref, kept_rows, cfg.optim.micro_batch_tokens, cfg.rollout.temperature, dist)
             if critic is not None:
-                fill_old_values(critic, policy, rows, cfg.optim.micro_batch_tokens)
+                fill_old_values(critic, policy, rows, cfg.optim.micro_batch_tokens, dist)
             t2 = time.perf_counter()
 
             # 4. advantages ---------------------------------------------------------------------------
@@ -193,7 +229,7 @@ def train(
             else:
                 step_adv = adv_fns.outcome_advantages(a.estimator, rewards, groups, where.step_tokens, a.gamma)
                 set_step_advantages(rows, where, step_adv)
-            if cfg.log.trajectories_every and (step + 1) % cfg.log.trajectories_every == 0:
+            if dist.main and cfg.log.trajectories_every and (step + 1) % cfg.log.trajectories_every == 0:
                 path = step_path(run_dir, step + 1)
                 write_step_records(path, trajs, sequences, kept, rows, where, tokenizer, step + 1)
             rows = [r for r, keep in zip(rows, trained, strict=True) if keep]
@@ -201,16 +237,16 @@ def train(
                 off_policy |= apply_tis(rows, cfg.algo.tis_cap)
 
             # 5. update -----------------------------------------------------------------------------
-            update = policy_update(policy, critic, rows, optimizer, scheduler, params, cfg, step)
+            update = policy_update(policy, critic, rows, optimizer, scheduler, params, cfg, step, dist)
             t3 = time.perf_counter()
 
             # 6. weight sync: the next rollout samples from the new policy -----------------------------
-            if update["updates"]:
-                engine.sync_weights(policy)
+            transfer = sync() if update["updates"] else {}
             t4 = time.perf_counter()
 
             # 7. log, validate, checkpoint -----------------------------------------------------------
-            metrics = {"step": step + 1, **_rollout_metrics(trajs), **update, **off_policy}
+            metrics = {"step": step + 1, **_rollout_metrics(trajs), **update, **off_policy, **transfer}
+            metrics |= workers.metrics if workers else {}  # Ray: restarts, lost and stale episodes, time
             metrics |= {
                 "trained_episodes": len(train_trajs),
                 "zero_variance_groups": len(zero_var) / max(1, len(set(groups))),
@@ -226,24 +262,44 @@ def train(
             metrics |= health.update(metrics)
             if validator and ((step + 1) % cfg.val.every == 0 or step + 1 == cfg.steps):
                 metrics |= validator(step + 1)
-            loggers.log(metrics, step + 1)
+            if dist.main:
+                loggers.log(metrics, step + 1)
             history.append(metrics)
             bar.update(task_bar, advance=1, description=_describe(metrics))
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                 best = validator.best if validator else None  # a resumed run keeps its best step
                 extra = {"cursor": sampler.cursor, "config": to_dict(cfg), "best": best, "task": info["task"]}
-                save_checkpoint(run_dir, step + 1, modules, optimizer, scheduler, extra, keep=cfg.keep_last)
+                save_checkpoint(run_dir, step + 1, modules, optimizer, scheduler, extra, cfg.keep_last, dist)
 
-    loggers.close()
     if isinstance(engine, VLLMEngine):
         engine.shutdown()  # its KV cache and weights are not needed for the export
-    plot_metrics(read_metrics(run_dir), run_dir / "plots" / "curves.png", title=str(run_dir))
-    if not (validator and cfg.val.keep_best):  # with keep_best, policy/ already holds the best step
-        export_policy(policy, tokenizer, run_dir / "policy", info=info | {"step": cfg.steps})
+    if workers:
+        workers.shutdown()
+    if dist.main:
+        loggers.close()
+        plot_metrics(read_metrics(run_dir), run_dir / "plots" / "curves.png", title=str(run_dir))
+        if not (validator and cfg.val.keep_best):  # with keep_best, policy/ already holds the best step
+            export_policy(plain, tokenizer, run_dir / "policy", info=info | {"step": cfg.steps})
+    dist.barrier()  # no rank leaves (and tears the process group down) before rank 0 has exported
     return history
 
 
-# --- set-up, metrics --------------------------------------------------
+# --- set-up, weight sync, metrics --------------------------------------------------
+
+
+def _weight_sync(
+    dist: Dist, policy: torch.nn.Module, plain: torch.nn.Module, engine: Any, workers: RayRollout | None
+) -> Callable[[], dict[str, float]]:
+    """After an update: FSDP2's shards gathered into the unsharded model (torchrun), then the engine and
+    the Ray workers given its weights. Returns what the transfer to the workers cost."""
+
+    def sync() -> dict[str, float]:
+        if dist.world > 1:
+            fsdp.copy_full_weights(policy, plain)
+        engine.sync_weights(plain)  # a no-op for a local engine over `plain` itself
+        return workers.sync_weights(plain) if workers else {}
+
+    return sync
 
 
 def _engine(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, run_dir: Path, from_config: bool):

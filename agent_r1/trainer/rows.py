@@ -15,9 +15,9 @@ import torch
 from agent_r1.algos.advantages import token_advantages
 from agent_r1.algos.losses import kl_penalty
 from agent_r1.algos.off_policy import drift_metrics, truncated_is_weights
-from agent_r1.models.precision import model_device
+from agent_r1.distributed.group import SINGLE, Dist
 from agent_r1.observe.records import trajectory_records, write_records
-from agent_r1.trainer.batching import Row, pack, token_logprobs
+from agent_r1.trainer.batching import Row, forward_rows, token_logprobs
 from agent_r1.types import TrainSequence, Trajectory
 
 
@@ -55,27 +55,30 @@ def build_rows(trajs: list[Trajectory], sequences: list[list[TrainSequence]]) ->
 
 
 @torch.no_grad()
-def row_logprobs(model: torch.nn.Module, rows: list[Row], micro_batch_tokens: int, temperature: float):
-    """(row, its log-probs [T] on the CPU) for every row, batched like the update (shared prefixes once)."""
-    for mb in pack(rows, micro_batch_tokens, device=model_device(model)):
-        logp = token_logprobs(model, mb, temperature)[0]
-        yield from zip(mb.rows, logp.cpu().split(mb.row_lens), strict=True)
+def row_logprobs(
+    model: torch.nn.Module, rows: list[Row], micro_batch_tokens: int, temperature: float, dist: Dist = SINGLE
+) -> list[torch.Tensor]:
+    """Each row's log-probs [T] on the CPU, batched like the update (shared prefixes once); under
+    torchrun split between the ranks (`forward_rows`)."""
+    return forward_rows(model, rows, micro_batch_tokens, lambda mb: token_logprobs(model, mb, temperature)[0], dist)
 
 
-def fill_ref_logprobs(ref: Callable, rows: list[Row], micro_batch_tokens: int, temperature: float) -> None:
+def fill_ref_logprobs(
+    ref: Callable, rows: list[Row], micro_batch_tokens: int, temperature: float, dist: Dist = SINGLE
+) -> None:
     """Reference-policy log-probs of the rows."""
     with ref() as model:
-        for row, logp in row_logprobs(model, rows, micro_batch_tokens, temperature):
+        for row, logp in zip(rows, row_logprobs(model, rows, micro_batch_tokens, temperature, dist), strict=True):
             row.ref_logp = logp
 
 
 def recompute_old_logprobs(
-    policy: torch.nn.Module, rows: list[Row], micro_batch_tokens: int, temperature: float
+    policy: torch.nn.Module, rows: list[Row], micro_batch_tokens: int, temperature: float, dist: Dist = SINGLE
 ) -> dict[str, float]:
     """The trainer's own log-probs of the sampled tokens under the weights that sampled them become the
     ratio's old log-probs; the engine's move to `row.rollout_logp` (algos/off_policy.py says why).
     Returns the drift between the two (logprob_drift_mean / _max)."""
-    for row, logp in row_logprobs(policy, rows, micro_batch_tokens, temperature):
+    for row, logp in zip(rows, row_logprobs(policy, rows, micro_batch_tokens, temperature, dist), strict=True):
         row.rollout_logp, row.old_logp = row.old_logp, logp * row.mask
     return drift_metrics([r.old_logp for r in rows], [r.rollout_logp for r in rows], [r.mask for r in rows])
 

@@ -33,7 +33,7 @@ def main(out: str, estimator: str) -> None:
     cfg = load_config(TrainConfig, None, overrides)
     policy = tiny_model(seed=0)
     rows = synthetic_rows(critic=estimator == "ppo", kl=cfg.algo.kl_coef > 0)
-    for row, logp in row_logprobs(policy, rows, 256, 1.0):  # the old policy is the starting one
+    for row, logp in zip(rows, row_logprobs(policy, rows, 256, 1.0), strict=True):  # the old policy: the start
         row.old_logp = logp * row.mask
     critic = Critic(policy, "head") if estimator == "ppo" else None
     if dist.world > 1:

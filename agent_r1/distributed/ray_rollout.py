@@ -1,0 +1,275 @@
+"""Rollout workers on Ray: actors that each hold an engine and the task's envs.
+
+`cluster.rollout_workers=N` starts N `RolloutWorker` actors (a local Ray, or the cluster at
+`cluster.address`). Each builds its own engine (`LocalEngine` over its own copy of the model, or
+`VLLMEngine`) and makes envs with the task's picklable `EnvFactory`. Per RL step the driver:
+
+1. cuts the step's tasks into N consecutive shards; worker k runs `AgentEnvLoop` over its shard with
+   the trajectory indices the in-process loop would give them (`first_index`), so per-request seeds
+   and therefore the trajectories are those of one loop over the whole batch;
+2. gathers the trajectories in task order; each worker also reports the weights version it sampled
+   under, and a shard sampled under an older version than the trainer's is detected and left out of
+   the update (its episodes count as errors, `ray/stale_episodes`);
+3. after the optimizer step, puts the new weights in Ray's object store once (`ray.put`) and has
+   every worker load them with the new version number (LocalEngine's and VLLMEngine's `load_weights`).
+
+A worker that dies mid-rollout (a crashed env, a killed process, a lost node) is restarted by Ray
+(`max_restarts`), reloads the current weights and rolls its shard out again, `cluster.retries` times;
+after that its episodes count as errors and the run goes on. The search task's index can run as one
+more actor (`cluster.retrieval_actor`), so workers share one index instead of building one each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+
+from agent_r1.distributed.group import contiguous_shards
+from agent_r1.rollout.agent_loop import AgentEnvLoop, trajectory_metrics
+from agent_r1.rollout.engine import SamplingParams, full_state_dict
+from agent_r1.types import Termination, Trajectory
+
+
+def import_ray() -> Any:
+    """Ray, or a one-line error saying how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("cluster.rollout_workers needs Ray: pip install 'agent-r1[cluster]'") from None
+    return ray
+
+
+def connect_ray(address: str = "", num_cpus: int | None = None) -> Any:
+    """Join the Ray cluster at `address`, or start a local one (this machine's CPUs); returns `ray`.
+
+    An address that does not answer is a one-line error within seconds (ray.init itself would wait
+    for minutes). A local Ray gets this working directory on its workers' import path, so a task given
+    as an import path (`task=my_pkg.my_task`) loads there as it does here."""
+    ray = import_ray()
+    if ray.is_initialized():
+        return ray
+    if address and address != "auto":
+        parsed = urlparse(address if "://" in address else f"ray://{address}")
+        host, port = parsed.hostname, parsed.port or (10001 if address.startswith("ray://") else 6379)
+        try:
+            socket.create_connection((host, port), timeout=5).close()
+        except OSError as exc:
+            raise ValueError(
+                f"cluster.address={address!r} does not answer ({exc}): is `ray start --head` running there?"
+            ) from None
+        ray.init(address=address, log_to_driver=False)
+        return ray
+    path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(
+        address=address or None,
+        num_cpus=num_cpus or os.cpu_count(),
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+    )
+    return ray
+
+
+class RolloutWorker:
+    """One Ray actor: an engine and the task's envs. Calls to one actor run one at a time, so a weight
+    load never lands in the middle of a rollout."""
+
+    def __init__(
+        self, model: str | torch.nn.Module, tokenizer: Any, make_env: Any, engine: str, options: dict[str, Any]
+    ) -> None:
+        from agent_r1.rollout.local_engine import LocalEngine
+
+        self.make_env = make_env
+        if engine == "vllm":
+            from agent_r1.rollout.vllm_engine import VLLMEngine
+
+            self.engine = VLLMEngine(model, **options)
+            return
+        if isinstance(model, str):
+            from agent_r1.models.loading import load_model
+
+            model, tokenizer = load_model(model, device="auto", dtype=options["dtype"])
+        self.engine = LocalEngine(
+            model.eval(), tokenizer, max_batch_size=options["max_batch_size"], seed=options["seed"]
+        )
+
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
+        return self.engine.load_weights(state, version)
+
+    def rollout(
+        self, tasks: list[dict[str, Any]], group_size: int, sampling: SamplingParams, seed: int, first_index: int
+    ) -> tuple[int, list[Trajectory]]:
+        """(the weights version sampled under, the trajectories of `tasks` x `group_size`)."""
+        version = self.engine.weights_version
+        loop = AgentEnvLoop(self.engine, self.make_env, sampling, seed=seed)
+        return version, loop.run_sync(tasks, group_size, first_index)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RayRollout:
+    """The driver's side: N `RolloutWorker` actors, task sharding, weight broadcast, failures."""
+
+    def __init__(
+        self,
+        cluster: Any,  # trainer.config.ClusterConfig
+        rollout: Any,  # trainer.config.RolloutConfig
+        model: str | torch.nn.Module,
+        tokenizer: Any,
+        make_env: Any,
+        seed: int,
+        dtype: str,
+        run_dir: Path,
+    ) -> None:
+        """`model` is a name or directory every worker loads (a model passed in is shipped as an object)."""
+        self.ray = connect_ray(cluster.address)
+        self.retries = cluster.retries
+        self.sampling = rollout.sampling()
+        self.version = 0
+        self._weights: Any = None  # the newest weights in Ray's object store (a restarted worker reloads them)
+        self.metrics: dict[str, float] = {}
+        self._retrieval = None
+        if cluster.retrieval_actor:
+            make_env = self._with_retrieval_actor(make_env)
+        if rollout.engine == "vllm":
+            from agent_r1.models.loading import resolve_model_path
+            from agent_r1.models.precision import TORCH_DTYPES
+
+            if not isinstance(model, str):  # vLLM starts from a directory; the first sync brings the weights
+                path = run_dir / "ray_init"
+                model.save_pretrained(path), tokenizer.save_pretrained(path)
+                model = str(path)
+            model = str(resolve_model_path(model))
+            v = rollout.vllm
+            options = {
+                "dtype": TORCH_DTYPES[dtype], "seed": seed, "gpu_memory_utilization": v.gpu_memory_utilization,
+                "enforce_eager": v.enforce_eager, "max_num_seqs": rollout.max_batch_size, "kv_cache_gb": v.kv_cache_gb,
+            }  # fmt: skip
+        else:
+            options = {"max_batch_size": rollout.max_batch_size, "seed": seed, "dtype": dtype}
+            if not isinstance(model, str):
+                model = self.ray.put(model)  # once in the object store, not once per actor
+        actor = self.ray.remote(num_cpus=cluster.worker_cpus, num_gpus=cluster.worker_gpus, max_restarts=-1)(
+            RolloutWorker
+        )
+        self.actors = [
+            actor.remote(model, tokenizer, make_env, rollout.engine, dict(options))
+            for _ in range(cluster.rollout_workers)
+        ]
+
+    def sync_weights(self, model: torch.nn.Module) -> dict[str, float]:
+        """Every worker loads `model`'s weights as the next version; returns the bytes and seconds."""
+        t0 = time.perf_counter()
+        state = {k: v.detach().to("cpu", copy=True) for k, v in full_state_dict(model).items()}
+        self._weights = self.ray.put(state)
+        self.version += 1
+        self.ray.get([a.load_weights.remote(self._weights, self.version) for a in self.actors])
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        return {"ray/weights_mb": nbytes / 2**20, "time/ray_weights": time.perf_counter() - t0}
+
+    def run(self, tasks: list[dict[str, Any]], group_size: int, seed: int) -> list[Trajectory]:
+        """The trajectories of `tasks` x `group_size`, in task order, as one AgentEnvLoop would give them."""
+        t0 = time.perf_counter()
+        shards = contiguous_shards(tasks, len(self.actors))
+        calls = [
+            a.rollout.remote(part, group_size, self.sampling, seed, start * group_size)
+            for a, (start, part) in zip(self.actors, shards, strict=True)
+        ]
+        self.metrics = {"ray/restarts": 0.0, "ray/stale_episodes": 0.0, "ray/lost_episodes": 0.0}
+        out: list[Trajectory] = []
+        for k, ((start, part), call) in enumerate(zip(shards, calls, strict=True)):
+            out += self._collect(k, call, part, group_size, seed, start * group_size)
+        self.metrics["time/ray_rollout"] = time.perf_counter() - t0
+        return out
+
+    def _collect(self, k: int, call: Any, tasks: list, group_size: int, seed: int, first: int) -> list[Trajectory]:
+        """Worker k's trajectories; a dead worker is restarted, given the weights and asked again."""
+        for attempt in range(self.retries + 1):
+            try:
+                version, trajs = self.ray.get(call)
+                break
+            except self.ray.exceptions.RayActorError as exc:
+                self.metrics["ray/restarts"] += 1
+                if attempt == self.retries:
+                    self.metrics["ray/lost_episodes"] += len(tasks) * group_size
+                    return _errored(tasks, group_size, f"rollout worker {k} died: {str(exc).splitlines()[0][:200]}")
+                actor = self.actors[k]
+                if self._weights is not None:  # Ray restarts it with the starting weights: bring it up to date
+                    self.ray.get(actor.load_weights.remote(self._weights, self.version))
+                call = actor.rollout.remote(tasks, group_size, self.sampling, seed, first)
+        if version != self.version:
+            self.metrics["ray/stale_episodes"] += len(trajs)
+            return _errored(
+                tasks, group_size, f"sampled under weights version {version}, the trainer's is {self.version}"
+            )
+        return trajs
+
+    def worker_pids(self) -> list[int]:
+        return self.ray.get([a.pid.remote() for a in self.actors])
+
+    def shutdown(self) -> None:
+        for a in self.actors + ([self._retrieval] if self._retrieval else []):
+            self.ray.kill(a)
+        self.actors = []
+
+    def _with_retrieval_actor(self, make_env: Any) -> Any:
+        """Serve the task's search index from one actor; the workers' envs query it over HTTP."""
+        if not hasattr(make_env, "options") or not hasattr(make_env.options, "retriever"):
+            raise ValueError("cluster.retrieval_actor needs a search task (one with a retriever option)")
+        self._retrieval = self.ray.remote(num_cpus=0)(RetrievalActor).remote(make_env.task, make_env.options)
+        url = self.ray.get(self._retrieval.url.remote())
+        return dataclasses.replace(make_env, options=dataclasses.replace(make_env.options, retriever=url))
+
+
+class RetrievalActor:
+    """The task's search index behind `agent-r1 retrieval-server`'s HTTP API, as a Ray actor."""
+
+    def __init__(self, task: str, options: Any) -> None:
+        import threading
+
+        import uvicorn
+
+        from agent_r1.retrieval.server import create_app
+        from agent_r1.task import load_task
+
+        retriever = load_task(task).retriever(options)
+        self.host = self._ip()
+        sock = socket.socket()
+        sock.bind((self.host, 0))
+        self.port = sock.getsockname()[1]
+        sock.close()
+        config = uvicorn.Config(create_app(retriever, options.retriever), host=self.host, port=self.port)
+        self.server = uvicorn.Server(config)
+        threading.Thread(target=self.server.run, daemon=True).start()
+        while not self.server.started:
+            time.sleep(0.05)
+
+    @staticmethod
+    def _ip() -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def _errored(tasks: list[dict[str, Any]], group_size: int, why: str) -> list[Trajectory]:
+    """Episodes that produced nothing: counted as errors, left out of the update."""
+    out = []
+    for task in tasks:
+        group = uuid.uuid4().hex[:12]
+        for g in range(group_size):
+            t = Trajectory(task=task, traj_id=f"{group}-{g}", group_id=group, termination=Termination.ERROR, error=why)
+            t.metrics = trajectory_metrics(t)
+            out.append(t)
+    return out
