@@ -9,10 +9,13 @@ they are small next to the weights, and pickling keeps the token ids exact.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any, TypeVar
 
 import torch
@@ -75,6 +78,18 @@ class Dist:
     def barrier(self) -> None:
         if self.world > 1:
             torch.distributed.barrier()
+
+    @contextlib.contextmanager
+    def failure_report(self) -> Iterator[SimpleNamespace]:
+        """Name the rank and the step of an exception on its way out (set `report.step` as you go).
+        torchrun then stops the other ranks, which would otherwise wait in a collective."""
+        report = SimpleNamespace(step=0)
+        try:
+            yield report
+        except BaseException as exc:
+            if self.world > 1:
+                print(f"rank {self.rank} failed at step {report.step}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            raise
 
     def _reduce(self, values: Sequence[float], op: Any) -> list[float]:
         if op is None:

@@ -54,9 +54,7 @@ def connect_ray(address: str = "", num_cpus: int | None = None) -> Any:
     for minutes). A local Ray gets this working directory on its workers' import path, so a task given
     as an import path (`task=my_pkg.my_task`) loads there as it does here."""
     ray = import_ray()
-    if ray.is_initialized():
-        return ray
-    if address and address != "auto":
+    if address and address != "auto":  # checked even when connected: a bad address is the user's mistake
         parsed = urlparse(address if "://" in address else f"ray://{address}")
         host, port = parsed.hostname, parsed.port or (10001 if address.startswith("ray://") else 6379)
         try:
@@ -65,6 +63,9 @@ def connect_ray(address: str = "", num_cpus: int | None = None) -> Any:
             raise ValueError(
                 f"cluster.address={address!r} does not answer ({exc}): is `ray start --head` running there?"
             ) from None
+    if ray.is_initialized():
+        return ray
+    if address and address != "auto":
         ray.init(address=address, log_to_driver=False)
         return ray
     path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
@@ -137,6 +138,7 @@ class RayRollout:
         self.version = 0
         self._weights: Any = None  # the newest weights in Ray's object store (a restarted worker reloads them)
         self.metrics: dict[str, float] = {}
+        self._dead: set[int] = set()  # workers whose shard was given up on
         self._retrieval = None
         if cluster.retrieval_actor:
             make_env = self._with_retrieval_actor(make_env)
@@ -156,15 +158,13 @@ class RayRollout:
             }  # fmt: skip
         else:
             options = {"max_batch_size": rollout.max_batch_size, "seed": seed, "dtype": dtype}
-            if not isinstance(model, str):
-                model = self.ray.put(model)  # once in the object store, not once per actor
         actor = self.ray.remote(num_cpus=cluster.worker_cpus, num_gpus=cluster.worker_gpus, max_restarts=-1)(
             RolloutWorker
         )
-        self.actors = [
-            actor.remote(model, tokenizer, make_env, rollout.engine, dict(options))
-            for _ in range(cluster.rollout_workers)
-        ]
+        # the arguments go into the object store once (not once per actor), and this object keeps them
+        # there: Ray restarts a dead worker from them (ray-project/ray#53727)
+        self._args = [self.ray.put(x) for x in (model, tokenizer, make_env, rollout.engine, options)]
+        self.actors = [actor.remote(*self._args) for _ in range(cluster.rollout_workers)]
 
     def sync_weights(self, model: torch.nn.Module) -> dict[str, float]:
         """Every worker loads `model`'s weights as the next version; returns the bytes and seconds."""
@@ -179,6 +179,8 @@ class RayRollout:
     def run(self, tasks: list[dict[str, Any]], group_size: int, seed: int) -> list[Trajectory]:
         """The trajectories of `tasks` x `group_size`, in task order, as one AgentEnvLoop would give them."""
         t0 = time.perf_counter()
+        while self._dead:  # workers that died last time: back, with the current weights, before they get work
+            self._revive(self.actors[self._dead.pop()])
         shards = contiguous_shards(tasks, len(self.actors))
         calls = [
             a.rollout.remote(part, group_size, self.sampling, seed, start * group_size)
@@ -192,26 +194,39 @@ class RayRollout:
         return out
 
     def _collect(self, k: int, call: Any, tasks: list, group_size: int, seed: int, first: int) -> list[Trajectory]:
-        """Worker k's trajectories; a dead worker is restarted, given the weights and asked again."""
+        """Worker k's trajectories; a dead worker is restarted (by Ray), given the weights, asked again."""
         for attempt in range(self.retries + 1):
             try:
+                if attempt:
+                    self._revive(self.actors[k])
+                    call = self.actors[k].rollout.remote(tasks, group_size, self.sampling, seed, first)
                 version, trajs = self.ray.get(call)
                 break
             except self.ray.exceptions.RayActorError as exc:
-                self.metrics["ray/restarts"] += 1
-                if attempt == self.retries:
-                    self.metrics["ray/lost_episodes"] += len(tasks) * group_size
-                    return _errored(tasks, group_size, f"rollout worker {k} died: {str(exc).splitlines()[0][:200]}")
-                actor = self.actors[k]
-                if self._weights is not None:  # Ray restarts it with the starting weights: bring it up to date
-                    self.ray.get(actor.load_weights.remote(self._weights, self.version))
-                call = actor.rollout.remote(tasks, group_size, self.sampling, seed, first)
+                self.metrics["ray/restarts"] += attempt == 0  # one death, however many tries it takes
+                why = str(exc).splitlines()[0][:200]
+        else:
+            self._dead.add(k)
+            self.metrics["ray/lost_episodes"] += len(tasks) * group_size
+            return _errored(tasks, group_size, f"rollout worker {k} died: {why}")
         if version != self.version:
             self.metrics["ray/stale_episodes"] += len(trajs)
-            return _errored(
-                tasks, group_size, f"sampled under weights version {version}, the trainer's is {self.version}"
-            )
+            why = f"sampled under weights version {version}, the trainer's is {self.version}"
+            return _errored(tasks, group_size, why)
         return trajs
+
+    def _revive(self, actor: Any, timeout_s: float = 600.0) -> None:
+        """Wait for Ray to restart `actor` (it comes back with its starting weights) and load the current ones."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if self._weights is not None:
+                    self.ray.get(actor.load_weights.remote(self._weights, self.version))
+                return
+            except self.ray.exceptions.ActorUnavailableError:  # still restarting
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def worker_pids(self) -> list[int]:
         return self.ray.get([a.pid.remote() for a in self.actors])

@@ -162,10 +162,10 @@ def train(
     if validator and start == 0:  # the starting policy is a candidate too: RL must beat it to be kept
         history.append({"step": 0} | validator(0))
         loggers.log(history[-1], 0)
-    with progress_bar(console) as bar:
+    with progress_bar(console) as bar, dist.failure_report() as report:
         task_bar = bar.add_task("RL steps", total=cfg.steps, completed=start)
         for step in range(start, cfg.steps):
-            t0 = time.perf_counter()
+            t0, report.step = time.perf_counter(), step + 1
 
             # 1. rollout -------------------------------------------------------------------------------
             policy.eval()

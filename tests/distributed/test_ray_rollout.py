@@ -1,0 +1,161 @@
+"""Rollout workers on a local Ray cluster: the in-process loop's trajectories, weights with versions,
+stale shards detected, a worker killed mid-rollout retried or counted as errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from agent_r1.distributed.ray_rollout import RayRollout, connect_ray
+from agent_r1.rollout.agent_loop import AgentEnvLoop
+from agent_r1.rollout.local_engine import LocalEngine
+from agent_r1.trainer.config import ClusterConfig, RolloutConfig
+from agent_r1.types import Termination
+from tests.trainer.conftest import TASKS, LowIdEnv, tiny_model
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    yield connect_ray(num_cpus=2)
+    ray.shutdown()
+
+
+def workers(model, tokenizer, make_env=LowIdEnv, temperature: float = 1.0, **cluster) -> RayRollout:
+    rollout = RolloutConfig(temperature=temperature, max_new_tokens=6)
+    out = RayRollout(ClusterConfig(rollout_workers=2, **cluster), rollout, model, tokenizer, make_env, 0, "fp32", None)
+    out.sync_weights(model)
+    return out
+
+
+def in_process(model, tokenizer, tasks, seed, temperature: float = 1.0, make_env=LowIdEnv):
+    sampling = RolloutConfig(temperature=temperature, max_new_tokens=6).sampling()
+    return AgentEnvLoop(LocalEngine(model, tokenizer), make_env, sampling, seed=seed).run_sync(tasks, 2)
+
+
+def episodes(trajs) -> list:
+    """What a trajectory is, token for token (group ids are random per loop)."""
+    return [(t.task, [(s.prompt_ids, s.response_ids) for s in t.steps], t.reward, t.termination) for t in trajs]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_two_workers_give_the_in_process_loops_trajectories(local_ray, tokenizer, temperature):
+    """Greedy, and sampled with fixed seeds: each worker seeds its shard's trajectories by their index in
+    the whole batch, so the gathered batch is the one loop's, in task order."""
+    model, tasks = tiny_model(seed=0), TASKS[:5]  # 5 tasks: shards of 3 and 2
+    pool = workers(model, tokenizer, temperature=temperature)
+    try:
+        got = pool.run(tasks, 2, seed=11)
+    finally:
+        pool.shutdown()
+    want = in_process(model, tokenizer, tasks, 11, temperature)
+    assert episodes(got) == episodes(want)
+    assert len({t.group_id for t in got}) == 5
+    for a, b in zip(got, want, strict=True):
+        for s, r in zip(a.steps, b.steps, strict=True):
+            assert s.response_logprobs == pytest.approx(r.response_logprobs, abs=1e-4)
+
+
+def test_weights_reach_every_worker_with_a_version_and_a_stale_shard_is_detected(local_ray, tokenizer):
+    model, other = tiny_model(seed=0), tiny_model(seed=1)
+    pool = workers(model, tokenizer)
+    try:
+        transfer = pool.sync_weights(other)  # version 2
+        assert transfer["ray/weights_mb"] == pytest.approx(
+            sum(t.numel() * 4 for t in other.state_dict().values()) / 2**20
+        )
+        assert episodes(pool.run(TASKS[:4], 2, seed=3)) == episodes(in_process(other, tokenizer, TASKS[:4], 3))
+        pool.version += 1  # the trainer moved on without the workers
+        stale = pool.run(TASKS[:4], 2, seed=3)
+    finally:
+        pool.shutdown()
+    assert all(t.termination == Termination.ERROR and not t.steps for t in stale)
+    assert "sampled under weights version 2, the trainer's is 3" in stale[0].error
+    assert pool.metrics["ray/stale_episodes"] == 8
+
+
+class SignallingEnv(LowIdEnv):
+    """LowIdEnv that marks, on reset, that a rollout is under way, and is slow enough to be killed in."""
+
+    def __init__(self, flag: str) -> None:
+        super().__init__()
+        self.flag = flag
+
+    async def reset(self, task):
+        Path(self.flag).touch()
+        return await super().reset(task)
+
+    async def step(self, action):
+        time.sleep(0.3)
+        return await super().step(action)
+
+
+class Signalling:
+    def __init__(self, flag: str) -> None:
+        self.flag = flag
+
+    def __call__(self) -> SignallingEnv:
+        return SignallingEnv(self.flag)
+
+
+def _kill_when(flag: Path, pid: int) -> threading.Thread:
+    def kill() -> None:
+        while not flag.exists():
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("retries", [1, 0])
+def test_a_worker_killed_mid_rollout_is_retried_or_counted_as_errors(local_ray, tokenizer, tmp_path, retries):
+    model, tasks, flag = tiny_model(seed=0), TASKS[:4], tmp_path / "rolling"
+    other = tiny_model(seed=2)
+    pool = workers(model, tokenizer, make_env=Signalling(str(flag)), retries=retries)
+    try:
+        pool.sync_weights(other)  # a restarted worker must come back with these, not its starting weights
+        killer = _kill_when(flag, pool.worker_pids()[1])
+        got = pool.run(tasks, 2, seed=7)
+        killer.join()
+        assert pool.metrics["ray/restarts"] == 1
+        if retries:  # rolled out again, on the current weights: nothing lost
+            assert episodes(got) == episodes(in_process(other, tokenizer, tasks, 7, make_env=LowIdEnv)), got[-1].error
+            assert pool.metrics["ray/lost_episodes"] == 0
+        else:  # worker 1's shard (tasks 2 and 3) is lost, worker 0's is whole
+            assert [t.termination == Termination.ERROR for t in got] == [False] * 4 + [True] * 4
+            assert got[-1].error.startswith("rollout worker 1 died")
+            assert pool.metrics["ray/lost_episodes"] == 4
+        after = pool.run(tasks, 2, seed=7)  # and the pool goes on
+        assert not any(t.termination == Termination.ERROR for t in after)
+    finally:
+        pool.shutdown()
+
+
+def test_an_address_that_does_not_answer_is_one_line():
+    with pytest.raises(ValueError, match=r"cluster.address='127.0.0.1:1' does not answer .*ray start --head"):
+        connect_ray("127.0.0.1:1")
+
+
+def test_training_with_ray_workers_is_the_in_process_run(local_ray, tmp_path, tokenizer):
+    """Two RL steps: the same episodes and weights as rolling out in the trainer's process."""
+    from agent_r1.trainer.rl import train
+    from tests.trainer.conftest import toy_config
+
+    runs = {}
+    for name, extra in (("local", []), ("ray", ["cluster.rollout_workers=2"])):
+        cfg = toy_config(tmp_path / name, "steps=2", *extra)
+        runs[name] = train(cfg, model=tiny_model(seed=0), tokenizer=tokenizer, make_env=LowIdEnv, tasks=TASKS)
+    assert [m["reward_mean"] for m in runs["ray"]] == [m["reward_mean"] for m in runs["local"]]
+    assert runs["ray"][0]["ray/weights_mb"] > 0 and runs["ray"][0]["ray/lost_episodes"] == 0
+    a, b = (load_file(tmp_path / name / "run" / "policy" / "model.safetensors") for name in ("local", "ray"))
+    # the workers batch other rows together than the trainer's engine: log-probs equal to fp32 rounding
+    assert max(float((a[k] - b[k]).norm() / a[k].norm()) for k in a) < 1e-5
