@@ -14,6 +14,7 @@ import random
 import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +161,16 @@ def load_checkpoint(
     set_rng_state(rng if isinstance(rng, dict) else {"cpu": rng})  # older checkpoints: the CPU state alone
     random.setstate(trainer_state["python_rng"])
     return meta
+
+
+def load_sharded_weights(checkpoint: Path, name: str, module: torch.nn.Module) -> None:
+    """Module `name`'s weights from a torchrun job's checkpoint into an unsharded `module`, in one
+    process: DCP reassembles every rank's shards into the full tensors, in place."""
+    with warnings.catch_warnings():  # "no process group: loading in a single process", which is the point
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(
+            {"model": {f"{name}.{k}": t for k, t in module.state_dict().items()}}, checkpoint_id=checkpoint / "state"
+        )
 
 
 def load_trained_state(file: Path, module: torch.nn.Module) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from agent_r1.models.loading import is_chat_model, load_model
 from agent_r1.models.lora import LoraConfig, with_lora
-from agent_r1.trainer.checkpoint import export_policy, latest_checkpoint, load_trained_state
+from agent_r1.trainer.checkpoint import export_policy, latest_checkpoint, load_sharded_weights, load_trained_state
 
 
 @dataclass
@@ -57,7 +57,10 @@ def load_policy(checkpoint: Path, model: str | None = None) -> tuple[torch.nn.Mo
     lora = config.get("lora") or {}
     if lora.get("enabled"):
         policy = with_lora(policy, LoraConfig(**lora))
-    load_trained_state(checkpoint / "policy.safetensors", policy)
+    if (checkpoint / "state").is_dir():  # written by a torchrun job: every rank's shards
+        load_sharded_weights(checkpoint, "policy", policy)
+    else:
+        load_trained_state(checkpoint / "policy.safetensors", policy)
     return policy.eval(), tokenizer, config | {"model": base}
 
 

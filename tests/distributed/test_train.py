@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from agent_r1.cli import main
 from tests.distributed.conftest import ROOT, TORCHRUN, launch
 from tests.trainer.conftest import tiny_model
 
@@ -40,7 +41,9 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def max_rel_diff(a: Path, b: Path) -> float:
-    x, y = load_file(a / "policy" / "model.safetensors"), load_file(b / "policy" / "model.safetensors")
+    """Largest relative difference of two policies' weights (run directories or policy directories)."""
+    a, b = (p / "policy" if (p / "policy").is_dir() else p for p in (a, b))
+    x, y = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert x.keys() == y.keys()
     return max(float((x[k] - y[k]).norm() / y[k].norm()) for k in x)
 
@@ -57,6 +60,9 @@ def test_two_processes_train_the_single_process_run(tmp_path, toy_dir):
         assert a["reward_mean"] == b["reward_mean"] and a["train_tokens"] == b["train_tokens"]
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
     assert max_rel_diff(tmp_path / "one", tmp_path / "two") < 1e-4
+    # `agent-r1 export` reassembles the sharded checkpoint in one process: the policy rank 0 exported
+    assert main(["export", str(tmp_path / "two"), "--out", str(tmp_path / "exported")]) == 0
+    assert max_rel_diff(tmp_path / "exported", tmp_path / "two" / "policy") == 0.0
     state = json.loads((tmp_path / "two" / "checkpoints" / "step_000004" / "meta.json").read_text())
     assert state["world_size"] == 2
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints" / "step_000004" / "state").glob("*.distcp")) == [
