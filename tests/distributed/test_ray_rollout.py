@@ -159,3 +159,25 @@ def test_training_with_ray_workers_is_the_in_process_run(local_ray, tmp_path, to
     a, b = (load_file(tmp_path / name / "run" / "policy" / "model.safetensors") for name in ("local", "ray"))
     # the workers batch other rows together than the trainer's engine: log-probs equal to fp32 rounding
     assert max(float((a[k] - b[k]).norm() / a[k].norm()) for k in a) < 1e-5
+
+
+def test_the_search_index_runs_as_a_ray_actor_that_the_workers_query(local_ray, tokenizer):
+    """cluster.retrieval_actor: one actor builds the hotpotqa BM25 index and serves it over HTTP; the
+    workers' envs get its URL and find what the index in this process finds."""
+    from agent_r1.retrieval.server import RemoteRetriever
+    from agent_r1.task import TaskSpec
+    from tests.conftest import make_tiny_llama
+
+    spec = TaskSpec("hotpotqa")
+    model = make_tiny_llama(len(tokenizer), hidden=32, eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id)
+    pool = workers(model, tokenizer, make_env=spec.env_factory(tokenizer, True, 2), retrieval_actor=True)
+    try:
+        url = ray.get(pool._retrieval.url.remote())
+        assert ray.get(pool._args[2]).options.retriever == url  # the env factory the workers were given
+        query = spec.tasks("val", 1)[0]["question"]
+        remote, local = RemoteRetriever(url).search(query, 3), spec.module.retriever(spec.options).search(query, 3)
+        assert [(h.passage.title, h.index) for h in remote] == [(h.passage.title, h.index) for h in local]
+        trajs = pool.run(spec.tasks("train", 2), 2, seed=0)
+        assert not any(t.termination == Termination.ERROR for t in trajs), trajs[0].error
+    finally:
+        pool.shutdown()
