@@ -169,6 +169,8 @@ class RayRollout:
     def sync_weights(self, model: torch.nn.Module) -> dict[str, float]:
         """Every worker loads `model`'s weights as the next version; returns the bytes and seconds."""
         t0 = time.perf_counter()
+        # every name, tied ones too: vLLM redoes a layer's post-load processing (its CPU repacking of the
+        # LM head) only for weights it is given
         state = {k: v.detach().to("cpu", copy=True) for k, v in full_state_dict(model).items()}
         self._weights = self.ray.put(state)
         self.version += 1

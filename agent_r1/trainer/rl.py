@@ -304,8 +304,11 @@ def _weight_sync(
 
 def _engine(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, run_dir: Path, from_config: bool):
     """rollout.engine: the trainer's own model object (no copy), vLLM in this process, or a server;
-    the last two get the policy's weights before the first rollout and after every update."""
+    the last two get the policy's weights before the first rollout and after every update. With Ray
+    rollout workers, `rollout.engine` is theirs."""
     r = cfg.rollout
+    if cfg.cluster.rollout_workers:  # Ray workers roll out; this engine only validates, over `policy` itself
+        return LocalEngine(policy, tokenizer, max_batch_size=r.max_batch_size, seed=cfg.seed)
     if r.engine == "remote":
         return RemoteEngine(r.url, sync_dir=str(run_dir / "weight_sync"))
     if r.engine == "vllm":

