@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import socket
 import time
 import uuid
@@ -193,6 +194,7 @@ class RayRollout:
         for k, ((start, part), call) in enumerate(zip(shards, calls, strict=True)):
             out += self._collect(k, call, part, group_size, seed, start * group_size)
         self.metrics["time/ray_rollout"] = time.perf_counter() - t0
+        self.metrics["ray/trajectories_mb"] = len(pickle.dumps(out)) / 2**20  # what came back over the wire
         return out
 
     def _collect(self, k: int, call: Any, tasks: list, group_size: int, seed: int, first: int) -> list[Trajectory]:

@@ -13,7 +13,8 @@ keep `max_tokens` near a row's length there (1024 by default).
 
 While the model trains with activation (gradient) checkpointing on, transformers ignores the KV
 cache inside the decoder layers, so a shared-prefix micro-batch is then run packed instead: the same
-log-probs and gradients, without the prefix saving.
+log-probs and gradients, without the prefix saving. So is the update of a model sharded by FSDP2
+(torchrun), whose layers may run only once per backward; its no-gradient passes keep the saving.
 
 Bins are filled first-fit-decreasing by the tokens they will actually compute.
 """
@@ -212,7 +213,7 @@ def token_logprobs(
     """
     ops = _logit_ops(model)  # before the forward, so that an unsupported model fails at once
     targets = mb.mask.nonzero().squeeze(-1)  # [M] positions of sampled tokens
-    shared = mb.prefix_len > 0 and not _drops_kv_cache(_backbone(model))
+    shared = shares_prefix(model, mb)
     with autocast(model):  # bf16 matrix products when dtype=bf16; everything after the head is fp32
         states, logits = _as_forward(model, _states_and_logits, model, mb, targets, shared)  # [L, H], [M, V]
     logits = logits.float()  # [M, V]
@@ -265,6 +266,15 @@ class _TokenLogprobs(torch.autograd.Function):
         grad = probs.mul_(-grad_logp[:, None])  # [M, V] = -g * softmax
         grad.scatter_add_(-1, ids[:, None], grad_logp[:, None])  # + g at the target
         return grad, None, None
+
+
+def shares_prefix(model: torch.nn.Module, mb: MicroBatch) -> bool:
+    """Whether `token_logprobs` runs the micro-batch's shared prefix once, rather than packed."""
+    if mb.prefix_len == 0 or _drops_kv_cache(_backbone(model)):
+        return False
+    # FSDP2 frees a layer's gathered weights after each of its forwards and gathers them once for the
+    # backward: a layer run twice (prefix, then suffixes) would find them freed in its second backward
+    return not (torch.is_grad_enabled() and hasattr(model, ROOT_FORWARD))
 
 
 def _states_and_logits(

@@ -170,13 +170,16 @@ def train(
             # 1. rollout -------------------------------------------------------------------------------
             policy.eval()
             tasks, seed = sampler.take(cfg.rollout.tasks_per_step), cfg.seed * 1_000_003 + step
+            gather_s = 0.0
             if cfg.cluster.rollout_workers:  # Ray actors, driven by rank 0
                 trajs = dist.broadcast(workers.run(tasks, cfg.rollout.group_size, seed) if workers else None)
             else:  # this process's engine; under torchrun each rank its consecutive share of the tasks
                 start_task, mine = contiguous_shards(tasks, dist.world)[dist.rank]
                 loop = AgentEnvLoop(engine, make_env, cfg.rollout.sampling(), seed=seed)
                 mine = loop.run_sync(mine, cfg.rollout.group_size, first_index=start_task * cfg.rollout.group_size)
+                t_gather = time.perf_counter()
                 trajs = [t for part in dist.gather(mine) for t in part]
+                gather_s = time.perf_counter() - t_gather  # torchrun: the ranks' trajectories to every rank
             if isinstance(engine, VLLMEngine):
                 engine.sleep()  # on a GPU: vLLM's memory goes to the update until the weight sync wakes it
             t1 = time.perf_counter()
@@ -256,6 +259,7 @@ def train(
                 "time/reference": t2 - t1,
                 "time/update": t3 - t2,
                 "time/weight_sync": t4 - t3,
+                "time/gather_trajectories": gather_s,
                 "time/step": t4 - t0,
                 "tokens_per_s/update": update["train_tokens"] / max(t3 - t2, 1e-9),
             }

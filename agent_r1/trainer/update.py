@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from agent_r1.algos.losses import aggregate, gspo_policy_loss, kl_penalty, ppo_policy_loss, value_loss
 from agent_r1.distributed.group import SINGLE, Dist
 from agent_r1.models.precision import model_device
-from agent_r1.trainer.batching import Row, pack, token_logprobs
+from agent_r1.trainer.batching import Row, pack, shares_prefix, token_logprobs
 from agent_r1.trainer.config import TrainConfig
 from agent_r1.trainer.critic import Critic, value_mask
 
@@ -97,7 +97,7 @@ def policy_update(
                         break  # other ranks wait in this micro-batch's collectives: a rank must not leave
                     continue
                 loss.backward()
-                train_tokens += mb.num_tokens
+                train_tokens += mb.num_tokens if shares_prefix(policy, mb) else len(mb.input_ids)
                 m["entropy"] = float((entropy.detach() * mb.mask).sum() / mb.mask.sum().clamp(min=1))
                 for k, v in m.items():
                     stats.setdefault(k, []).append(float(v))

@@ -10,17 +10,17 @@ from agent_r1.trainer.batching import Row
 
 def synthetic_rows(n: int = 9, vocab: int = 64, critic: bool = False, kl: bool = False) -> list[Row]:
     g = torch.Generator().manual_seed(1234)
-    prompts = [torch.randint(3, vocab, (12,), generator=g) for _ in range(3)]
+    prompts = [torch.randint(3, vocab, (40,), generator=g) for _ in range(3)]  # >= 32: shared-prefix passes
     rows = []
     for i in range(n):
         length = 8 + int(torch.randint(0, 30, (1,), generator=g))
         ids = torch.cat([prompts[i % 3], torch.randint(3, vocab, (length,), generator=g)])
         mask = torch.zeros(len(ids))
-        mask[12 : 12 + length // 2] = 1.0  # step 0
-        mask[14 + length // 2 :] = 1.0  # step 1, after two observation tokens
+        mask[40 : 40 + length // 2] = 1.0  # step 0
+        mask[42 + length // 2 :] = 1.0  # step 1, after two observation tokens
         seg = torch.full((len(ids),), -1)
-        seg[12 : 12 + length // 2] = 2 * i
-        seg[14 + length // 2 :] = 2 * i + 1
+        seg[40 : 40 + length // 2] = 2 * i
+        seg[42 + length // 2 :] = 2 * i + 1
         adv = torch.randn(len(ids), generator=g) * mask
         row = Row(input_ids=ids, mask=mask, old_logp=torch.zeros(len(ids)), adv=adv, seg=seg)
         if critic:

@@ -27,7 +27,7 @@ from tests.trainer.conftest import tiny_model
 
 def main(out: str, estimator: str) -> None:
     dist = init_distributed("cpu")
-    overrides = ["optim.micro_batch_tokens=64", "optim.lr=1e-2", f"algo.estimator={estimator}"]
+    overrides = ["optim.micro_batch_tokens=160", "optim.lr=1e-2", f"algo.estimator={estimator}"]
     if estimator == "ppo":
         overrides += ["algo.mini_batches=2", "algo.kl_coef=0.1"]
     cfg = load_config(TrainConfig, None, overrides)
