@@ -53,6 +53,11 @@ def test_bad_data_line(tmp_path, capsys):
         (["train", "device=tpu"], "config key 'device' must be one of"),
         (["train", "dtype=fp16"], "config key 'dtype' must be one of"),
         (["train", "rollout.engine=vllm", "rollout.vllm.gpu_memory_utilization=1.5"], "must be in (0, 1]"),
+        (["train", "cluster.rollout_workers=-1"], "cluster.rollout_workers must be >= 0"),
+        (
+            ["train", "cluster.rollout_workers=2", "cluster.address=127.0.0.1:1"],
+            "cluster.address='127.0.0.1:1' does not answer",
+        ),
     ],
 )
 def test_bad_train_config_fails_at_start(args, message, capsys):

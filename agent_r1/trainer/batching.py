@@ -12,7 +12,7 @@ position ids restart at 0 at every row, which transformers turns into a block-di
 keep `max_tokens` near a row's length there (1024 by default).
 
 While the model trains with activation (gradient) checkpointing on, transformers ignores the KV
-cache inside the decoder layers, so a shared-prefix micro-batch is then run packed instead: the same
+cache inside the decoder layers, so rows are then packed without sharing (`prefix_sharing`): the same
 log-probs and gradients, without the prefix saving. So is the update of a model sharded by FSDP2
 (torchrun), whose layers may run only once per backward; its no-gradient passes keep the saving.
 
@@ -76,21 +76,22 @@ class MicroBatch:
 
 
 def pack(
-    rows: list[Row], max_tokens: int, min_shared_prefix: int = 32, device: torch.device | str = "cpu"
+    rows: list[Row], max_tokens: int, min_shared_prefix: int | None = 32, device: torch.device | str = "cpu"
 ) -> list[MicroBatch]:
     """Micro-batches of at most `max_tokens` computed tokens (a longer row gets one of its own), their
     tensors on `device` (rows stay where they are, on the CPU: only a micro-batch is on the GPU at once).
 
     Rows are sorted by their ids, so rows sharing a prefix of >= `min_shared_prefix` tokens become
     neighbours; each such run is cut into consecutive bins that compute the prefix once. The other
-    rows are packed first-fit-decreasing.
+    rows are packed first-fit-decreasing. `min_shared_prefix=None` packs every row (for a model that
+    cannot run a prefix once: `prefix_sharing`), so no bin is sized for a prefix it will not share.
     """
     for row in rows:
         if len(row.input_ids) and float(row.mask[0]) != 0.0:
             raise ValueError("a training row must start with a prompt token (its first token has no prediction)")
     runs: list[list[Row]] = []
     for row in sorted(rows, key=lambda r: r.input_ids.tolist()):
-        if runs and _shared_prefix([runs[-1][-1], row]) >= min_shared_prefix:
+        if runs and min_shared_prefix is not None and _shared_prefix([runs[-1][-1], row]) >= min_shared_prefix:
             runs[-1].append(row)
         else:
             runs.append([row])
@@ -122,12 +123,12 @@ def forward_rows(
     micro-batches as the busiest rank: FSDP2's gathers pair up) and the parts are all-gathered."""
     device = model_device(model)
     mine = dist.shard(range(len(rows)), cost=lambda i: len(rows[i].input_ids))
-    micro = pack([rows[i] for i in mine], max_tokens, device=device)
+    micro = pack([rows[i] for i in mine], max_tokens, sharing(model), device)
     index = {id(rows[i]): i for i in mine}
     parts: dict[int, torch.Tensor] = {}
     for k in range(dist.max(len(micro))):
         if k >= len(micro):  # this rank is out of rows: a repeat whose result is dropped
-            fn(micro[0] if micro else pack(rows[:1], max_tokens, device=device)[0])
+            fn(micro[0] if micro else pack(rows[:1], max_tokens, None, device)[0])
             continue
         mb = micro[k]
         for row, part in zip(mb.rows, fn(mb).cpu().split(mb.row_lens), strict=True):
@@ -213,7 +214,7 @@ def token_logprobs(
     """
     ops = _logit_ops(model)  # before the forward, so that an unsupported model fails at once
     targets = mb.mask.nonzero().squeeze(-1)  # [M] positions of sampled tokens
-    shared = shares_prefix(model, mb)
+    shared = mb.prefix_len > 0 and prefix_sharing(model)  # else packed: the same log-probs and gradients
     with autocast(model):  # bf16 matrix products when dtype=bf16; everything after the head is fp32
         states, logits = _as_forward(model, _states_and_logits, model, mb, targets, shared)  # [L, H], [M, V]
     logits = logits.float()  # [M, V]
@@ -268,13 +269,21 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad, None, None
 
 
-def shares_prefix(model: torch.nn.Module, mb: MicroBatch) -> bool:
-    """Whether `token_logprobs` runs the micro-batch's shared prefix once, rather than packed."""
-    if mb.prefix_len == 0 or _drops_kv_cache(_backbone(model)):
+def prefix_sharing(model: torch.nn.Module) -> bool:
+    """Whether a forward of `model` can run a shared prefix once and its suffixes after it (here and now).
+
+    Not while its decoder layers are checkpointed (transformers drops their KV cache), nor in a training
+    forward under FSDP2: a layer's gathered weights are freed after each of its forwards and gathered
+    again only for the backward through that forward's output, but the prefix pass's gradient arrives
+    through the KV cache the suffix pass read."""
+    if _drops_kv_cache(_backbone(model)):
         return False
-    # FSDP2 frees a layer's gathered weights after each of its forwards and gathers them once for the
-    # backward: a layer run twice (prefix, then suffixes) would find them freed in its second backward
     return not (torch.is_grad_enabled() and hasattr(model, ROOT_FORWARD))
+
+
+def sharing(model: torch.nn.Module, min_shared_prefix: int = 32) -> int | None:
+    """`pack`'s min_shared_prefix for `model` now: None when it cannot share a prefix."""
+    return min_shared_prefix if prefix_sharing(model) else None
 
 
 def _states_and_logits(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -48,26 +49,43 @@ def max_rel_diff(a: Path, b: Path) -> float:
     return max(float((x[k] - y[k]).norm() / y[k].norm()) for k in x)
 
 
-def test_two_processes_train_the_single_process_run(tmp_path, toy_dir):
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory, toy_dir) -> Path:
+    """A 4-step run of the toy task on 2 gloo processes."""
+    run = tmp_path_factory.mktemp("two") / "run"
+    launch(train_args(toy_dir, run, "steps=4"), nproc=2)
+    return run
+
+
+def test_two_processes_train_the_single_process_run(tmp_path, toy_dir, two_process_run):
     """Same seeds per trajectory, rows split between the ranks, gradients summed: the 2-rank run samples
     the same episodes and ends at the same weights (to fp32 rounding of 4 Adam steps)."""
     launch(train_args(toy_dir, tmp_path / "one", "steps=4"), nproc=1)
-    launch(train_args(toy_dir, tmp_path / "two", "steps=4"), nproc=2)
-    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    one, two = metrics(tmp_path / "one"), metrics(two_process_run)
     assert [m["step"] for m in two] == [1, 2, 3, 4]
     assert all(m["updates"] == 1 for m in two)
     for a, b in zip(one, two, strict=True):
         assert a["reward_mean"] == b["reward_mean"] and a["train_tokens"] == b["train_tokens"]
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
-    assert max_rel_diff(tmp_path / "one", tmp_path / "two") < 1e-4
+    assert max_rel_diff(tmp_path / "one", two_process_run) < 1e-4
     # `agent-r1 export` reassembles the sharded checkpoint in one process: the policy rank 0 exported
-    assert main(["export", str(tmp_path / "two"), "--out", str(tmp_path / "exported")]) == 0
-    assert max_rel_diff(tmp_path / "exported", tmp_path / "two" / "policy") == 0.0
-    state = json.loads((tmp_path / "two" / "checkpoints" / "step_000004" / "meta.json").read_text())
+    assert main(["export", str(two_process_run), "--out", str(tmp_path / "exported")]) == 0
+    assert max_rel_diff(tmp_path / "exported", two_process_run / "policy") == 0.0
+    state = json.loads((two_process_run / "checkpoints" / "step_000004" / "meta.json").read_text())
     assert state["world_size"] == 2
-    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints" / "step_000004" / "state").glob("*.distcp")) == [
+    assert sorted(p.name for p in (two_process_run / "checkpoints" / "step_000004" / "state").glob("*.distcp")) == [
         "__0_0.distcp", "__1_0.distcp",
     ]  # fmt: skip  # one shard file per rank
+
+
+def test_two_processes_with_ray_rollout_workers_train_the_same_run(tmp_path, toy_dir):
+    """Rank 0 drives 2 Ray workers and broadcasts their trajectories: the in-process run's episodes."""
+    launch(train_args(toy_dir, tmp_path / "one", "steps=2"), nproc=1)
+    launch(train_args(toy_dir, tmp_path / "ray", "steps=2", "cluster.rollout_workers=2"), nproc=2)
+    one, ray = metrics(tmp_path / "one"), metrics(tmp_path / "ray")
+    assert [m["reward_mean"] for m in ray] == [m["reward_mean"] for m in one]
+    assert all(m["ray/weights_mb"] > 0 and m["ray/lost_episodes"] == 0 for m in ray)
+    assert max_rel_diff(tmp_path / "one", tmp_path / "ray") < 1e-4
 
 
 def _children(pid: int) -> list[int]:
@@ -114,9 +132,10 @@ def test_a_killed_two_process_run_resumes_from_its_sharded_checkpoint_and_ends_t
     assert max_rel_diff(tmp_path / "whole", run) < 1e-6
 
 
-def test_resuming_on_another_number_of_processes_is_one_line(tmp_path, toy_dir):
-    launch(train_args(toy_dir, tmp_path / "run", "steps=1"), nproc=2)
-    proc = launch(train_args(toy_dir, tmp_path / "run", "steps=2"), nproc=1, check=False)
+def test_resuming_on_another_number_of_processes_is_one_line(tmp_path, toy_dir, two_process_run):
+    run = tmp_path / "run"
+    shutil.copytree(two_process_run, run)
+    proc = launch(train_args(toy_dir, run, "steps=5"), nproc=1, check=False)
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()[-1:]
     assert "written by 2 training process(es), this run has 1" in line and "torchrun --nproc_per_node 2" in line

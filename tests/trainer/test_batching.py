@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 
-from agent_r1.trainer.batching import Row, pack, token_logprobs
+from agent_r1.trainer.batching import Row, pack, sharing, token_logprobs
 from tests.trainer.conftest import tiny_model
 
 
@@ -218,3 +218,18 @@ def test_the_shared_prefix_is_still_run_once_when_checkpointing_cannot_drop_the_
     token_logprobs(model.eval(), mb)
     token_logprobs(model.train(), mb)
     assert calls == ["_shared_forward", "_shared_forward", "_packed_forward"]
+
+
+def test_a_model_that_cannot_share_a_prefix_gets_bins_sized_for_packing():
+    """While layers are checkpointed (or FSDP2 trains) a bin runs packed, so it must be sized by all of
+    its tokens: sized for a prefix computed once, a bin could hold dozens of copies of a long prompt."""
+    data = rows()[:3]  # all share PREFIX
+    model = tiny_model()
+    enable_checkpointing(model)
+    model.train()
+    assert sharing(model) is None
+    for mb in pack(data, max_tokens=120, min_shared_prefix=sharing(model)):
+        assert mb.prefix_len == 0 and (len(mb.input_ids) <= 120 or len(mb.rows) == 1)
+    assert pack(data, max_tokens=120)[0].prefix_len == 40  # the same rows share when they can
+    model.eval()
+    assert sharing(model) == 32
