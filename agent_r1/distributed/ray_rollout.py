@@ -27,7 +27,6 @@ import pickle
 import socket
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -66,12 +65,11 @@ def connect_ray(address: str = "", num_cpus: int | None = None) -> Any:
             ) from None
     if ray.is_initialized():
         return ray
-    if address and address != "auto":
+    if address:  # a cluster, or "auto": the one `ray start` runs on this machine
         ray.init(address=address, log_to_driver=False)
         return ray
     path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
     ray.init(
-        address=address or None,
         num_cpus=num_cpus or os.cpu_count(),
         include_dashboard=False,
         log_to_driver=False,
@@ -130,9 +128,9 @@ class RayRollout:
         make_env: Any,
         seed: int,
         dtype: str,
-        run_dir: Path,
     ) -> None:
-        """`model` is a name or directory every worker loads (a model passed in is shipped as an object)."""
+        """`model` is a name or directory every worker loads (vLLM needs a directory), or a plain model
+        object, shipped to the workers through the object store."""
         self.ray = connect_ray(cluster.address)
         self.retries = cluster.retries
         self.sampling = rollout.sampling()
@@ -144,19 +142,7 @@ class RayRollout:
         if cluster.retrieval_actor:
             make_env = self._with_retrieval_actor(make_env)
         if rollout.engine == "vllm":
-            from agent_r1.models.loading import resolve_model_path
-            from agent_r1.models.precision import TORCH_DTYPES
-
-            if not isinstance(model, str):  # vLLM starts from a directory; the first sync brings the weights
-                path = run_dir / "ray_init"
-                model.save_pretrained(path), tokenizer.save_pretrained(path)
-                model = str(path)
-            model = str(resolve_model_path(model))
-            v = rollout.vllm
-            options = {
-                "dtype": TORCH_DTYPES[dtype], "seed": seed, "gpu_memory_utilization": v.gpu_memory_utilization,
-                "enforce_eager": v.enforce_eager, "max_num_seqs": rollout.max_batch_size, "kv_cache_gb": v.kv_cache_gb,
-            }  # fmt: skip
+            options = rollout.vllm_options(dtype, seed)
         else:
             options = {"max_batch_size": rollout.max_batch_size, "seed": seed, "dtype": dtype}
         actor = self.ray.remote(num_cpus=cluster.worker_cpus, num_gpus=cluster.worker_gpus, max_restarts=-1)(

@@ -11,10 +11,12 @@ position ids restart at 0 at every row, which transformers turns into a block-di
 (its "packed sequence" detection). On CPU the masked attention over a packed sequence is dense, so
 keep `max_tokens` near a row's length there (1024 by default).
 
-While the model trains with activation (gradient) checkpointing on, transformers ignores the KV
-cache inside the decoder layers, so rows are then packed without sharing (`prefix_sharing`): the same
-log-probs and gradients, without the prefix saving. So is the update of a model sharded by FSDP2
-(torchrun), whose layers may run only once per backward; its no-gradient passes keep the saving.
+Two training forwards cannot use the KV cache that way: with activation (gradient) checkpointing on,
+transformers ignores the cache inside the decoder layers; under FSDP2 (torchrun) a layer's gathered
+weights are freed after each of its forward calls, and the prefix call's gradient arrives through
+the cache, not its output, so nothing gathers them again for it. There the prefix and the suffixes
+run as one sequence in one call (`_prefix_once_forward`): a 4D attention mask lets each suffix see
+the prefix and itself, so the prefix is still computed once and the result is the same.
 
 Bins are filled first-fit-decreasing by the tokens they will actually compute.
 """
@@ -76,22 +78,21 @@ class MicroBatch:
 
 
 def pack(
-    rows: list[Row], max_tokens: int, min_shared_prefix: int | None = 32, device: torch.device | str = "cpu"
+    rows: list[Row], max_tokens: int, min_shared_prefix: int = 32, device: torch.device | str = "cpu"
 ) -> list[MicroBatch]:
     """Micro-batches of at most `max_tokens` computed tokens (a longer row gets one of its own), their
     tensors on `device` (rows stay where they are, on the CPU: only a micro-batch is on the GPU at once).
 
     Rows are sorted by their ids, so rows sharing a prefix of >= `min_shared_prefix` tokens become
     neighbours; each such run is cut into consecutive bins that compute the prefix once. The other
-    rows are packed first-fit-decreasing. `min_shared_prefix=None` packs every row (for a model that
-    cannot run a prefix once: `prefix_sharing`), so no bin is sized for a prefix it will not share.
+    rows are packed first-fit-decreasing.
     """
     for row in rows:
         if len(row.input_ids) and float(row.mask[0]) != 0.0:
             raise ValueError("a training row must start with a prompt token (its first token has no prediction)")
     runs: list[list[Row]] = []
     for row in sorted(rows, key=lambda r: r.input_ids.tolist()):
-        if runs and min_shared_prefix is not None and _shared_prefix([runs[-1][-1], row]) >= min_shared_prefix:
+        if runs and _shared_prefix([runs[-1][-1], row]) >= min_shared_prefix:
             runs[-1].append(row)
         else:
             runs.append([row])
@@ -123,12 +124,12 @@ def forward_rows(
     micro-batches as the busiest rank: FSDP2's gathers pair up) and the parts are all-gathered."""
     device = model_device(model)
     mine = dist.shard(range(len(rows)), cost=lambda i: len(rows[i].input_ids))
-    micro = pack([rows[i] for i in mine], max_tokens, sharing(model), device)
+    micro = pack([rows[i] for i in mine], max_tokens, device=device)
     index = {id(rows[i]): i for i in mine}
     parts: dict[int, torch.Tensor] = {}
     for k in range(dist.max(len(micro))):
         if k >= len(micro):  # this rank is out of rows: a repeat whose result is dropped
-            fn(micro[0] if micro else pack(rows[:1], max_tokens, None, device)[0])
+            fn(micro[0] if micro else pack(rows[:1], max_tokens, device=device)[0])
             continue
         mb = micro[k]
         for row, part in zip(mb.rows, fn(mb).cpu().split(mb.row_lens), strict=True):
@@ -214,9 +215,8 @@ def token_logprobs(
     """
     ops = _logit_ops(model)  # before the forward, so that an unsupported model fails at once
     targets = mb.mask.nonzero().squeeze(-1)  # [M] positions of sampled tokens
-    shared = mb.prefix_len > 0 and prefix_sharing(model)  # else packed: the same log-probs and gradients
     with autocast(model):  # bf16 matrix products when dtype=bf16; everything after the head is fp32
-        states, logits = _as_forward(model, _states_and_logits, model, mb, targets, shared)  # [L, H], [M, V]
+        states, logits = _as_forward(model, _states_and_logits, model, mb, targets)  # [L, H], [M, V]
     logits = logits.float()  # [M, V]
     for op, value in ops:  # none for most models (Llama, Qwen, Mistral, SmolLM, ...)
         if op == "softcap":
@@ -269,28 +269,16 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad, None, None
 
 
-def prefix_sharing(model: torch.nn.Module) -> bool:
-    """Whether a forward of `model` can run a shared prefix once and its suffixes after it (here and now).
-
-    Not while its decoder layers are checkpointed (transformers drops their KV cache), nor in a training
-    forward under FSDP2: a layer's gathered weights are freed after each of its forwards and gathered
-    again only for the backward through that forward's output, but the prefix pass's gradient arrives
-    through the KV cache the suffix pass read."""
-    if _drops_kv_cache(_backbone(model)):
-        return False
-    return not (torch.is_grad_enabled() and hasattr(model, ROOT_FORWARD))
-
-
-def sharing(model: torch.nn.Module, min_shared_prefix: int = 32) -> int | None:
-    """`pack`'s min_shared_prefix for `model` now: None when it cannot share a prefix."""
-    return min_shared_prefix if prefix_sharing(model) else None
-
-
 def _states_and_logits(
-    model: torch.nn.Module, mb: MicroBatch, targets: torch.Tensor, shared: bool
+    model: torch.nn.Module, mb: MicroBatch, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Last hidden states [L, H] and the logits [M, V] at the positions that predict `targets`."""
-    states = _shared_forward(model, mb) if shared else _packed_forward(model, mb)  # [L, H]
+    if mb.prefix_len == 0:
+        states = _packed_forward(model, mb)
+    elif _drops_kv_cache(_backbone(model)) or (torch.is_grad_enabled() and hasattr(model, ROOT_FORWARD)):
+        states = _prefix_once_forward(model, mb)  # the module docstring says why not the KV cache here
+    else:
+        states = _shared_forward(model, mb)
     return states, model.get_output_embeddings()(states[targets - 1])
 
 
@@ -340,6 +328,31 @@ def _shared_forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     index = torch.tensor([i for start, n in spans for i in range(start + C, start + n)], device=dev)
     valid = torch.tensor([b * S + i for b, (_, n) in enumerate(spans) for i in range(n - C)], device=dev)
     return states.index_put((index,), hidden.reshape(B * S, -1)[valid])
+
+
+def _prefix_once_forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """Last hidden states [L, H]: the shared prefix once, then every row's suffix, as one sequence in one
+    forward call; a 4D mask lets a suffix token see the prefix and the earlier tokens of its own row.
+    Positions continue from the prefix in every suffix, as in the row itself. Zeros inside the prefix
+    of every row but the first (no target is predicted there)."""
+    C, dev = mb.prefix_len, mb.input_ids.device
+    starts = [sum(mb.row_lens[:b]) for b in range(len(mb.row_lens))]  # [B] row offsets
+    take = torch.cat(
+        [torch.arange(C, device=dev)]
+        + [torch.arange(s + C, s + n, device=dev) for s, n in zip(starts, mb.row_lens, strict=True)]
+    )  # [L'] where each token of the one sequence sits in the micro-batch
+    owner = torch.cat(
+        [torch.full((C,), -1, device=dev)] + [torch.full((n - C,), b, device=dev) for b, n in enumerate(mb.row_lens)]
+    )  # [L'] -1 in the prefix, else the row
+    i = torch.arange(len(take), device=dev)
+    sees = (i[:, None] >= i[None, :]) & ((owner[:, None] == owner[None, :]) | (owner[None, :] == -1))  # [L', L']
+    out = _backbone(model)(
+        input_ids=mb.input_ids[take][None],
+        position_ids=mb.position_ids[take][None],
+        attention_mask=sees[None, None],  # [1, 1, L', L'] used as given (transformers' custom 4D mask)
+        use_cache=False,
+    ).last_hidden_state[0]  # [L', H]
+    return out.new_zeros((len(mb.input_ids), out.shape[-1])).index_put((take,), out)
 
 
 def _backbone(model: torch.nn.Module) -> torch.nn.Module:

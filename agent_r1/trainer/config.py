@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from agent_r1.algos.advantages import GROUP_ESTIMATORS
 from agent_r1.models.lora import LoraConfig
-from agent_r1.models.precision import Device, Precision
+from agent_r1.models.precision import TORCH_DTYPES, Device, Precision
 from agent_r1.observe.health import HealthConfig
 from agent_r1.observe.loggers import LogConfig
 from agent_r1.rollout.engine import SamplingParams
@@ -56,6 +56,14 @@ class RolloutConfig:
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
+
+    def vllm_options(self, dtype: str, seed: int) -> dict[str, Any]:
+        """`VLLMEngine`'s keyword arguments from this config (in the trainer or on a Ray worker)."""
+        v = self.vllm
+        return {
+            "dtype": TORCH_DTYPES[dtype], "seed": seed, "gpu_memory_utilization": v.gpu_memory_utilization,
+            "enforce_eager": v.enforce_eager, "max_num_seqs": self.max_batch_size, "kv_cache_gb": v.kv_cache_gb,
+        }  # fmt: skip
 
 
 @dataclass

@@ -45,7 +45,7 @@ from agent_r1.distributed.ray_rollout import RayRollout, connect_ray
 from agent_r1.env.base import Env
 from agent_r1.models.loading import load_model, place_model, resolve_model_path
 from agent_r1.models.lora import merged_copy, with_lora
-from agent_r1.models.precision import TORCH_DTYPES, model_device
+from agent_r1.models.precision import model_device
 from agent_r1.observe.health import HealthMonitor
 from agent_r1.observe.loggers import Loggers
 from agent_r1.observe.plot import plot_metrics, read_metrics
@@ -143,8 +143,8 @@ def train(
         validator = make_validator(cfg, engine, None if own_task else make_env, plain, tokenizer, chat, info, console)
     workers = None
     if cfg.cluster.rollout_workers and dist.main:
-        source = cfg.model if chat_hint is not None else plain
-        workers = RayRollout(cfg.cluster, cfg.rollout, source, tokenizer, make_env, cfg.seed, cfg.dtype, run_dir)
+        source = _engine_source(cfg, plain, tokenizer, run_dir, chat_hint is not None)
+        workers = RayRollout(cfg.cluster, cfg.rollout, source, tokenizer, make_env, cfg.seed, cfg.dtype)
 
     start = 0
     if cfg.resume and (meta := resume(run_dir, to_dict(cfg), modules, optimizer, scheduler, RESUMABLE_CHANGES, dist)):
@@ -316,19 +316,23 @@ def _engine(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, run_dir: 
     if r.engine == "remote":
         return RemoteEngine(r.url, sync_dir=str(run_dir / "weight_sync"))
     if r.engine == "vllm":
-        if from_config:
-            path = resolve_model_path(cfg.model)
-        else:  # a model object passed in: vLLM starts from a copy on disk (its weights are synced anyway)
-            path = run_dir / "vllm_init"
-            merged_copy(policy).save_pretrained(path) if cfg.lora.enabled else policy.save_pretrained(path)
-            tokenizer.save_pretrained(path)
         cuda = model_device(policy).type == "cuda"
-        return VLLMEngine(
-            path, dtype=TORCH_DTYPES[cfg.dtype], seed=cfg.seed, gpu_memory_utilization=r.vllm.gpu_memory_utilization,
-            enforce_eager=r.vllm.enforce_eager, sleep=r.vllm.sleep and cuda, max_num_seqs=r.max_batch_size,
-            kv_cache_gb=r.vllm.kv_cache_gb,
-        )  # fmt: skip
+        path = _engine_source(cfg, policy, tokenizer, run_dir, from_config)
+        return VLLMEngine(path, sleep=r.vllm.sleep and cuda, **r.vllm_options(cfg.dtype, cfg.seed))
     return LocalEngine(policy, tokenizer, max_batch_size=r.max_batch_size, seed=cfg.seed)
+
+
+def _engine_source(
+    cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, run_dir: Path, from_config: bool
+) -> str | torch.nn.Module:
+    """What a rollout engine other than the trainer's own starts from (its weights are synced anyway):
+    the config's model; for a model passed in, a copy on disk for vLLM (which loads a directory), or the
+    model object (LoRA merged) that Ray ships to its workers."""
+    if from_config:
+        return str(resolve_model_path(cfg.model))
+    if cfg.rollout.engine == "vllm":
+        return str(export_policy(policy, tokenizer, run_dir / "vllm_init"))
+    return merged_copy(policy) if cfg.lora.enabled else policy
 
 
 def _rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from agent_r1.algos.losses import aggregate, gspo_policy_loss, kl_penalty, ppo_policy_loss, value_loss
 from agent_r1.distributed.group import SINGLE, Dist
 from agent_r1.models.precision import model_device
-from agent_r1.trainer.batching import Row, pack, sharing, token_logprobs
+from agent_r1.trainer.batching import Row, pack, token_logprobs
 from agent_r1.trainer.config import TrainConfig
 from agent_r1.trainer.critic import Critic, value_mask
 
@@ -61,8 +61,8 @@ def policy_update(
             agg = {"mode": a.loss_agg, "n_tokens": n_tokens, "n_seqs": n_seqs, "norm_len": norm_len}
             optimizer.zero_grad(set_to_none=True)
             finite = True
-            micro = pack(mine, o.micro_batch_tokens, sharing(policy), device)
-            filler = micro[0] if micro else pack(batch[:1], o.micro_batch_tokens, None, device)[0]
+            micro = pack(mine, o.micro_batch_tokens, device=device)
+            filler = micro[0] if micro else pack(batch[:1], o.micro_batch_tokens, device=device)[0]
             for i in range(dist.max(len(micro))):
                 mb, weight = (micro[i], 1.0) if i < len(micro) else (filler, 0.0)
                 logp, entropy, hidden = token_logprobs(

@@ -31,7 +31,7 @@ def test_two_fsdp_processes_take_the_single_process_step(tmp_path, estimator):
             assert float((a[k] - start[k]).norm() / scale) > 1e-3, k
     ma, mb = json.loads((one / "metrics.json").read_text()), json.loads((two / "metrics.json").read_text())
     assert ma["updates"] == mb["updates"] == (2 if estimator == "ppo" else 1)
-    # every row trained once, on one rank; the shards pack rows without sharing prefixes (prefix_sharing)
+    # every row trained once, on one rank, its shared prompt computed once per micro-batch on either side
     rows = synthetic_rows(critic=estimator == "ppo", kl=estimator == "ppo")
-    assert mb["train_tokens"] == sum(len(r.input_ids) for r in rows) > ma["train_tokens"]
+    assert ma["train_tokens"] <= mb["train_tokens"] < sum(len(r.input_ids) for r in rows)
     assert mb["grad_norm"] == pytest.approx(ma["grad_norm"], rel=1e-5)

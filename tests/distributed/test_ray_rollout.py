@@ -30,7 +30,7 @@ def local_ray():
 
 def workers(model, tokenizer, make_env=LowIdEnv, temperature: float = 1.0, **cluster) -> RayRollout:
     rollout = RolloutConfig(temperature=temperature, max_new_tokens=6)
-    out = RayRollout(ClusterConfig(rollout_workers=2, **cluster), rollout, model, tokenizer, make_env, 0, "fp32", None)
+    out = RayRollout(ClusterConfig(rollout_workers=2, **cluster), rollout, model, tokenizer, make_env, 0, "fp32")
     out.sync_weights(model)
     return out
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 
-from agent_r1.trainer.batching import Row, pack, sharing, token_logprobs
+from agent_r1.trainer.batching import Row, pack, token_logprobs
 from tests.trainer.conftest import tiny_model
 
 
@@ -117,8 +117,8 @@ def enable_checkpointing(model):
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_gradient_checkpointing_gives_the_same_logprobs_and_gradients_on_a_shared_prefix(lora):
-    """Checkpointing layers drop the KV cache while training, so the shared-prefix forward must not
-    be used then; the result must not change when checkpointing is switched on."""
+    """Checkpointing layers drop the KV cache while training, so the prefix then runs once in the same
+    call as the suffixes (a 4D mask), not through the cache; the result must not change."""
     data = rows()[:3]  # all share PREFIX
     (mb,) = pack(data, max_tokens=1000)
     assert mb.prefix_len == 40
@@ -203,12 +203,12 @@ def test_an_unknown_logit_processing_is_refused_in_one_line(attr, value):
 
 
 def test_the_shared_prefix_is_still_run_once_when_checkpointing_cannot_drop_the_cache(monkeypatch):
-    """Checkpointing only drops the cache while training: in eval mode (or with it off) the prefix is
-    still run once; while training with it on, the micro-batch is packed."""
+    """Checkpointing only drops the cache while training: in eval mode (or with it off) the prefix runs
+    through the KV cache; while training with it on, once in the suffixes' own call (4D mask)."""
     import agent_r1.trainer.batching as batching
 
     calls = []
-    for fn in ("_shared_forward", "_packed_forward"):
+    for fn in ("_shared_forward", "_packed_forward", "_prefix_once_forward"):
         original = getattr(batching, fn)
         monkeypatch.setattr(batching, fn, lambda m, mb, fn=fn, original=original: calls.append(fn) or original(m, mb))
     (mb,) = pack(rows()[:3], max_tokens=1000)
@@ -217,19 +217,4 @@ def test_the_shared_prefix_is_still_run_once_when_checkpointing_cannot_drop_the_
     enable_checkpointing(model)
     token_logprobs(model.eval(), mb)
     token_logprobs(model.train(), mb)
-    assert calls == ["_shared_forward", "_shared_forward", "_packed_forward"]
-
-
-def test_a_model_that_cannot_share_a_prefix_gets_bins_sized_for_packing():
-    """While layers are checkpointed (or FSDP2 trains) a bin runs packed, so it must be sized by all of
-    its tokens: sized for a prefix computed once, a bin could hold dozens of copies of a long prompt."""
-    data = rows()[:3]  # all share PREFIX
-    model = tiny_model()
-    enable_checkpointing(model)
-    model.train()
-    assert sharing(model) is None
-    for mb in pack(data, max_tokens=120, min_shared_prefix=sharing(model)):
-        assert mb.prefix_len == 0 and (len(mb.input_ids) <= 120 or len(mb.rows) == 1)
-    assert pack(data, max_tokens=120)[0].prefix_len == 40  # the same rows share when they can
-    model.eval()
-    assert sharing(model) == 32
+    assert calls == ["_shared_forward", "_shared_forward", "_prefix_once_forward"]
