@@ -27,15 +27,20 @@ from tests.trainer.conftest import tiny_model
 
 def main(out: str, estimator: str) -> None:
     dist = init_distributed("cpu")
-    overrides = ["optim.micro_batch_tokens=160", "optim.lr=1e-2", f"algo.estimator={estimator}"]
-    if estimator == "ppo":
-        overrides += ["algo.mini_batches=2", "algo.kl_coef=0.1"]
+    ppo = estimator.startswith("ppo")  # ppo: a value head; ppo-separate: a critic of its own
+    overrides = ["optim.micro_batch_tokens=160", "optim.lr=1e-2", f"algo.estimator={'ppo' if ppo else estimator}"]
+    if ppo:
+        overrides += [
+            "algo.mini_batches=2",
+            "algo.kl_coef=0.1",
+            f"algo.critic={'separate' if '-' in estimator else 'head'}",
+        ]
     cfg = load_config(TrainConfig, None, overrides)
     policy = tiny_model(seed=0)
-    rows = synthetic_rows(critic=estimator == "ppo", kl=cfg.algo.kl_coef > 0)
+    rows = synthetic_rows(critic=ppo, kl=cfg.algo.kl_coef > 0)
     for row, logp in zip(rows, row_logprobs(policy, rows, 256, 1.0), strict=True):  # the old policy: the start
         row.old_logp = logp * row.mask
-    critic = Critic(policy, "head") if estimator == "ppo" else None
+    critic = Critic(policy, cfg.algo.critic) if ppo else None
     if dist.world > 1:
         fsdp.shard(policy)
         if critic is not None:
