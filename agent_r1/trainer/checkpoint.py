@@ -3,7 +3,8 @@
 A checkpoint is written into a temporary directory and renamed into place only once complete, so
 a crash or kill mid-save leaves either the previous checkpoints or the new one, never half of one.
 `latest_checkpoint` only considers directories named `step_NNNNNN` that hold `meta.json` (the last
-file written), and the last `keep` of them survive.
+file written), and the last `keep` of them survive. A torchrun job's checkpoint is sharded: every rank
+writes its part with `torch.distributed.checkpoint`, and rank 0 renames the whole once all have.
 """
 
 from __future__ import annotations

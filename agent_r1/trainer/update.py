@@ -94,8 +94,9 @@ def policy_update(
                 if not torch.isfinite(loss):
                     finite = False
                     if dist.world == 1:
-                        break  # other ranks wait in this micro-batch's collectives: a rank must not leave
-                    continue
+                        break
+                    (loss * 0.0).backward()  # the other ranks' reduce-scatters need this rank's backward too;
+                    continue  # its NaN gradient is dropped with the step, which every rank skips
                 loss.backward()
                 train_tokens += mb.num_tokens
                 m["entropy"] = float((entropy.detach() * mb.mask).sum() / mb.mask.sum().clamp(min=1))
