@@ -1,2 +1,2 @@
 """Scaling out: training on N processes (torch.distributed, FSDP2, launched by torchrun) and rollout
-workers on Ray. Single-process runs never import torch.distributed's process group or Ray."""
+workers on Ray (docs/distributed.md). A single-process run starts neither a process group nor Ray."""
