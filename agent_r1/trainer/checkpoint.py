@@ -116,7 +116,9 @@ def _save_sharded(
 
 
 def _load_sharded(path: Path, modules: dict, optimizer: torch.optim.Optimizer, scheduler: Any, dist: Dist) -> None:
-    """Restore a `_save_sharded` checkpoint on the same number of ranks."""
+    """Restore a `_save_sharded` checkpoint on any number of ranks: DCP reads each rank's part of every
+    tensor from whichever shards hold it. A rank the writing job did not have takes rank 0's RNG state
+    (sampling and shuffles are seeded by step, so the RNG does not decide what a resumed run does)."""
     model_state, optim_state = get_state_dict(torch.nn.ModuleDict(modules), optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=path / "state")
@@ -124,7 +126,8 @@ def _load_sharded(path: Path, modules: dict, optimizer: torch.optim.Optimizer, s
         torch.nn.ModuleDict(modules), optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
     scheduler.load_state_dict(torch.load(path / "trainer_state.pt", weights_only=False)["scheduler"])
-    rng = torch.load(path / f"rng_rank{dist.rank}.pt", weights_only=False)
+    rng_file = path / f"rng_rank{dist.rank}.pt"
+    rng = torch.load(rng_file if rng_file.exists() else path / "rng_rank0.pt", weights_only=False)
     set_rng_state(rng["torch_rng"])
     random.setstate(rng["python_rng"])
 
@@ -143,12 +146,14 @@ def load_checkpoint(
     dist: Dist = SINGLE,
 ) -> dict[str, Any]:
     """Restore modules, optimizer, scheduler and RNG states; return meta (step, data cursor, ...).
-    A checkpoint resumes on the number of processes that wrote it (anything else is a one-line error)."""
+    A torchrun job's checkpoint resumes under torchrun on any number of processes (DCP reshards the
+    weights and the AdamW state); one process's resumes in one process. The other crossings are a
+    one-line error."""
     meta = json.loads((path / "meta.json").read_text())
-    if (saved := meta.get("world_size", 1)) != dist.world:
-        how = f"torchrun --nproc_per_node {saved}" if saved > 1 else "one process (plain agent-r1 train)"
+    if ((saved := meta.get("world_size", 1)) > 1) != (dist.world > 1):
+        how = "under torchrun (any --nproc_per_node >= 2)" if saved > 1 else "in one process (plain agent-r1 train)"
         raise ValueError(
-            f"{path} was written by {saved} training process(es), this run has {dist.world}: resume it with {how}"
+            f"{path} was written by {saved} training process(es), this run has {dist.world}: resume it {how}"
         )
     if dist.world > 1:
         _load_sharded(path, modules, optimizer, scheduler, dist)

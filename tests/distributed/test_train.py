@@ -1,5 +1,5 @@
 """`agent-r1 train` under torchrun (2 gloo processes): the same run as one process, a kill between
-checkpoints resumed to the same end, a resume on another world size refused, a dead rank ends the job."""
+checkpoints resumed to the same end, a checkpoint resharded onto 3 processes, a dead rank ends the job."""
 
 from __future__ import annotations
 
@@ -132,13 +132,23 @@ def test_a_killed_two_process_run_resumes_from_its_sharded_checkpoint_and_ends_t
     assert max_rel_diff(tmp_path / "whole", run) < 1e-6
 
 
-def test_resuming_on_another_number_of_processes_is_one_line(tmp_path, toy_dir, two_process_run):
+def test_a_sharded_checkpoint_resumes_on_three_processes_and_not_on_one(tmp_path, toy_dir, two_process_run):
+    """DCP reshards the 2-rank checkpoint (weights and AdamW state) onto 3 ranks; the 5th step is the
+    one a single process takes. One process cannot read it: one line says how to resume."""
     run = tmp_path / "run"
     shutil.copytree(two_process_run, run)
     proc = launch(train_args(toy_dir, run, "steps=5"), nproc=1, check=False)
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()[-1:]
-    assert "written by 2 training process(es), this run has 1" in line and "torchrun --nproc_per_node 2" in line
+    assert "written by 2 training process(es), this run has 1: resume it under torchrun" in line
+    launch(train_args(toy_dir, run, "steps=5"), nproc=3)
+    launch(train_args(toy_dir, tmp_path / "one", "steps=5"), nproc=1)
+    one, three = metrics(tmp_path / "one"), metrics(run)
+    assert [m["step"] for m in three] == [1, 2, 3, 4, 5]
+    assert three[-1]["reward_mean"] == one[-1]["reward_mean"] and three[-1]["updates"] == 1
+    assert max_rel_diff(tmp_path / "one", run) < 1e-4
+    meta = json.loads((run / "checkpoints" / "step_000005" / "meta.json").read_text())
+    assert meta["world_size"] == 3
 
 
 def test_a_rank_that_dies_ends_the_job_naming_it_and_keeps_the_checkpoints(tmp_path, toy_dir):
