@@ -124,9 +124,8 @@ def init_distributed(device: str, timeout_s: float = 1800.0) -> Dist:
 
     Each rank uses GPU LOCAL_RANK on a GPU machine. A torch.distributed job whose process group is
     already up (a test, a user's own launcher) is joined as it is."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return Dist()
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return SINGLE
     if not torch.distributed.is_initialized():
         cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
         if cuda:

@@ -241,13 +241,14 @@ class RetrievalActor:
     def __init__(self, task: str, options: Any) -> None:
         import threading
 
+        import ray
         import uvicorn
 
         from agent_r1.retrieval.server import create_app
         from agent_r1.task import load_task
 
         retriever = load_task(task).retriever(options)
-        self.host = self._ip()
+        self.host = ray.util.get_node_ip_address()
         sock = socket.socket()
         sock.bind((self.host, 0))
         self.port = sock.getsockname()[1]
@@ -257,12 +258,6 @@ class RetrievalActor:
         threading.Thread(target=self.server.run, daemon=True).start()
         while not self.server.started:
             time.sleep(0.05)
-
-    @staticmethod
-    def _ip() -> str:
-        import ray
-
-        return ray.util.get_node_ip_address()
 
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"

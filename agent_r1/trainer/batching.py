@@ -72,6 +72,14 @@ class MicroBatch:
         return [len(r.input_ids) for r in self.rows]
 
     @property
+    def row_spans(self) -> list[tuple[int, int]]:
+        """(offset, length) of each row in the flat tensors."""
+        starts = [0]
+        for n in self.row_lens[:-1]:
+            starts.append(starts[-1] + n)
+        return list(zip(starts, self.row_lens, strict=True))
+
+    @property
     def num_tokens(self) -> int:
         """Tokens the forward pass computes (a shared prefix counts once)."""
         return int(self.input_ids.numel()) - self.prefix_len * (len(self.row_lens) - 1)
@@ -306,13 +314,12 @@ def _shared_forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     """
     backbone, C, dev = _backbone(model), mb.prefix_len, mb.input_ids.device
     B, S = len(mb.row_lens), max(mb.row_lens) - C
-    starts = [sum(mb.row_lens[:b]) for b in range(B)]  # [B] row offsets in the flat tensors
     embeds = backbone.get_input_embeddings()(mb.input_ids)  # [L, H] one lookup: one dense [V, H] gradient, not two
     cache = DynamicCache()
     prefix_pos = torch.arange(C, device=dev)[None]
     backbone(inputs_embeds=embeds[None, :C], position_ids=prefix_pos, past_key_values=cache, use_cache=True)
     cache.batch_repeat_interleave(B)
-    spans = list(zip(starts, mb.row_lens, strict=True))
+    spans = mb.row_spans
     # [B, S] position in `embeds` of each suffix token (right-padded with 0), [B, C+S] its attention mask
     take = torch.tensor([list(range(start + C, start + n)) + [0] * (S - n + C) for start, n in spans], device=dev)
     attn = torch.tensor([[1] * n + [0] * (S - n + C) for _, n in spans], device=dev)
@@ -336,10 +343,8 @@ def _prefix_once_forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor
     Positions continue from the prefix in every suffix, as in the row itself. Zeros inside the prefix
     of every row but the first (no target is predicted there)."""
     C, dev = mb.prefix_len, mb.input_ids.device
-    starts = [sum(mb.row_lens[:b]) for b in range(len(mb.row_lens))]  # [B] row offsets
     take = torch.cat(
-        [torch.arange(C, device=dev)]
-        + [torch.arange(s + C, s + n, device=dev) for s, n in zip(starts, mb.row_lens, strict=True)]
+        [torch.arange(C, device=dev)] + [torch.arange(start + C, start + n, device=dev) for start, n in mb.row_spans]
     )  # [L'] where each token of the one sequence sits in the micro-batch
     owner = torch.cat(
         [torch.full((C,), -1, device=dev)] + [torch.full((n - C,), b, device=dev) for b, n in enumerate(mb.row_lens)]

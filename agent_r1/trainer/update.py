@@ -90,7 +90,7 @@ def policy_update(
                     (loss * 0.0).backward()
                     continue
                 if updates == 0:  # weights are still the rollout's: any difference is drift, not learning
-                    drift.append((logp.detach() - mb.old_logp)[mb.mask > 0].abs().cpu())
+                    drift.append((logp.detach() - mb.old_logp)[mb.mask > 0].abs())
                 if not torch.isfinite(loss):
                     finite = False
                     if dist.world == 1:
@@ -136,7 +136,7 @@ def _gathered(dist: Dist, stats: dict, drift: list, train_tokens: int) -> tuple[
     """Every rank's metrics, drift and token count together (rank 0 logs them)."""
     if dist.world == 1:
         return stats, drift, train_tokens
-    parts = dist.gather((stats, drift, train_tokens))
+    parts = dist.gather((stats, [d.cpu() for d in drift], train_tokens))  # pickled: off the GPU first
     merged: dict[str, list[float]] = {}
     for rank_stats, _, _ in parts:
         for k, v in rank_stats.items():
