@@ -97,6 +97,8 @@ def train(
         import_vllm()  # not installed: one line saying how, before any model loads
     if cfg.cluster.rollout_workers and dist.main:
         connect_ray(cfg.cluster.address)  # Ray missing or an address that does not answer: one line, now
+    if dist.world > 1 and cfg.lora.enabled:
+        raise ValueError("lora.enabled under torchrun is not supported yet: train LoRA in one process")
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -112,8 +114,6 @@ def train(
         # transformers 5.20 renamed it (the old name stays as an alias); vLLM 0.32 on a GPU brings 5.19
         enable = getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
         enable({"use_reentrant": False})
-    if dist.world > 1 and cfg.lora.enabled:
-        raise ValueError("lora.enabled under torchrun is not supported yet: train LoRA in one process")
     ref = reference_policy(policy, cfg.algo.kl_coef, cfg.lora.enabled, sharded=dist.world > 1)
     critic = Critic(policy, cfg.algo.critic).to(model_device(policy)) if cfg.algo.estimator == "ppo" else None
     plain = policy  # the unsharded model that rolls out, validates and is exported
