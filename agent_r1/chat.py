@@ -182,6 +182,9 @@ class _WatchedEnv:
             self.on_step(action, result)
         return result
 
+    async def close(self) -> None:
+        await self.env.close()
+
 
 class ChatPrompt(NamedTuple):
     """What the model sees around the conversation, as in training."""

@@ -33,5 +33,8 @@ class Env(Protocol):
         """Apply the policy's action; return the next observation, reward, done and info."""
         ...
 
+    # Optional: `async def close(self) -> None`, called once the episode ends however it ends, to free
+    # per-episode resources (processes, directories). The loop calls it when the env has it.
+
 
 __all__ = ["Env", "StepResult", "Termination"]

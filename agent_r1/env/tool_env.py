@@ -10,6 +10,7 @@ context the task chose (summarised, truncated, ...). The episode ends when the m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -144,6 +145,14 @@ class ToolEnv:
             {"name": r.name, "arguments": r.arguments, "output": r.output, "error": r.error} for r in results
         ]
         return outputs, [r.reward for r in results if r.reward is not None], errors
+
+    async def close(self) -> None:
+        """End of the episode: free what its tools hold (a `python` sandbox's process and scratch
+        directory). A failing close is not the episode's problem, so it is swallowed."""
+        for t in self.tools.values():
+            if t.close is not None:
+                with contextlib.suppress(Exception):
+                    await t.close()
 
     def _outcome(self, text: str, info: dict[str, Any]) -> float | None:
         """Outcome reward of the final response (cut at a format stop string such as "\nUser:")."""

@@ -9,8 +9,10 @@ the run. Steps keep the exact prompt ids and sampled ids (see `merge` for traini
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -75,6 +77,10 @@ class AgentEnvLoop:
         except Exception as exc:  # a broken env or engine ends this trajectory, not the run
             traj.termination = Termination.ERROR
             traj.error = f"{type(exc).__name__}: {exc}"[:500]
+        finally:
+            if (close := getattr(env, "close", None)) is not None:
+                with contextlib.suppress(Exception):
+                    await close()
         traj.metrics = trajectory_metrics(traj)
 
     def _params(self, env: Env, index: int, turn: int) -> SamplingParams:
@@ -99,6 +105,10 @@ def trajectory_metrics(traj: Trajectory) -> dict[str, float]:
     """Per-trajectory counts the trainer and eval aggregate."""
     infos = [s.info for s in traj.steps]
     parts = {f"reward/{k}": float(v) for i in infos for k, v in i.get("reward_parts", {}).items()}
+    kinds: Counter = Counter()
+    for i in infos:
+        kinds.update(i.get("tool_errors", {}))
+    parts |= {f"tool_errors/{k}": float(n) for k, n in kinds.items()}  # timeout, memory_limit, parse_error, ...
     return parts | {
         "reward": traj.reward,
         "turns": float(len(traj.steps)),

@@ -20,7 +20,7 @@ import inspect
 import json
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, overload
 
@@ -40,10 +40,12 @@ ERROR_KINDS = ("unknown_tool", "invalid_arguments", "exception", "timeout")
 
 @dataclass
 class ToolResult:
-    """What a tool may return instead of a plain value, to attach a per-call (process) reward."""
+    """What a tool may return instead of a plain value: a per-call (process) reward, or a failure the
+    tool handled itself (the model still reads `output`; the trainer counts `error` by kind)."""
 
     output: str
     reward: float | None = None
+    error: str | None = None  # a short kind such as "timeout" or "memory_limit"; None on success
 
 
 @dataclass
@@ -59,6 +61,7 @@ class Tool:
     fn: Callable[..., Any]  # sync or async; returns a value (shown as str(value)) or a ToolResult
     timeout: float = 10.0  # seconds before the call is abandoned and reported as a timeout
     max_output_chars: int = 4000  # longer outputs are cut, so one call cannot flood the context
+    close: Callable[[], Awaitable[None]] | None = None  # frees a per-episode resource (ToolEnv.close)
     _validator: jsonschema.protocols.Validator = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -173,7 +176,7 @@ class ToolCallResult:
     name: str
     arguments: dict[str, Any]  # parsed arguments ({} when they could not be parsed)
     output: str  # exactly what the model will see, error messages included
-    error: str | None = None  # None on success, else one of ERROR_KINDS
+    error: str | None = None  # None on success, else one of ERROR_KINDS or the kind a ToolResult gave
     truncated: bool = False  # output was cut to the tool's max_output_chars
     reward: float | None = None  # process reward from a ToolResult, None if the tool gave none
     seconds: float = 0.0  # wall time of the whole call
@@ -211,14 +214,15 @@ async def execute_tool_call(tools: Mapping[str, Tool], name: str, arguments: obj
     if exc is not None:
         return fail("exception", f"{t.name} raised {type(exc).__name__}: {_cut(str(exc))}", args)
 
-    reward = None
+    reward = error = None
     if isinstance(value, ToolResult):
-        value, reward = value.output, value.reward
+        value, reward, error = value.output, value.reward, value.error
     output, truncated = _truncate(str(value), t.max_output_chars)
     return ToolCallResult(
         name=t.name,
         arguments=args,
         output=output,
+        error=error,
         truncated=truncated,
         reward=reward,
         seconds=time.perf_counter() - start,

@@ -1,0 +1,338 @@
+"""A Python interpreter in a separate, limited process: what the `python` tool runs model code in.
+
+Model code is untrusted by construction: during RL the policy writes infinite loops, fork bombs,
+10 GB allocations and megabyte prints as a matter of course. Each `PythonSandbox` owns one
+interpreter process (`_sandbox_runner.py`) and a scratch directory for one trajectory. What is
+enforced, and how (docs/reliability.md has the full table):
+
+- **Resource limits** (always, set by the interpreter on itself before any model code runs): CPU
+  seconds per call (RLIMIT_CPU, moved before each call), address space (RLIMIT_AS), file size, the
+  printed output included (RLIMIT_FSIZE), processes (RLIMIT_NPROC), open files, no core dumps. A
+  wall-clock deadline per call kills the whole process tree past it.
+- **Isolation with bubblewrap** (`isolation="bwrap"`, the default when `bwrap` works here): new
+  user, PID, network, IPC and UTS namespaces; the host filesystem read-only and this user's home
+  hidden (the Python installation excepted); the scratch directory the only writable place (mounted
+  at /tmp, also the working directory); a fresh /proc and a minimal /dev; all capabilities dropped;
+  the tree dies with its parent. No network at all (only a private loopback). The way Flatpak
+  sandboxes applications. Under root, a pids cgroup caps the processes (the kernel exempts root
+  from RLIMIT_NPROC).
+- **Not enforced**: a system-call filter (no seccomp profile: the kernel surface is that of an
+  unprivileged user namespace); the total size of the scratch directory (each file is limited, their
+  sum is not); with `isolation="none"` (no bwrap) there is no network or filesystem isolation at all,
+  only the limits above, and a warning says so once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+Isolation = Literal["auto", "bwrap", "none"]
+NOBODY = 65534  # the uid and gid the code sees inside the sandbox
+RUNNER = (Path(__file__).with_name("_sandbox_runner.py")).read_text()
+_REPLY_LIMIT = 16 * 1024 * 1024  # one reply line (JSON of a capped output) is far below this
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """What one interpreter may use. Per call unless said otherwise."""
+
+    wall_seconds: float = 10.0
+    """wall-clock time per call; past it the interpreter and its children are killed"""
+    cpu_seconds: int = 5
+    """CPU time per call (RLIMIT_CPU); past it the call fails with a CPU-limit error"""
+    session_cpu_seconds: int = 120
+    """CPU time of one interpreter over all its calls (the hard RLIMIT_CPU)"""
+    memory_mb: int = 1024
+    """address space of the interpreter and of each process it starts (RLIMIT_AS)"""
+    file_mb: int = 16
+    """largest file the code may write, its printed output included (RLIMIT_FSIZE)"""
+    processes: int = 32
+    """processes and threads (RLIMIT_NPROC; counted per sandbox under bwrap, per user without it)"""
+    open_files: int = 64
+    """open file descriptors per process (RLIMIT_NOFILE)"""
+    max_output_chars: int = 4000
+    """printed output kept per call; the rest is cut, and the model is told how much there was"""
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if value <= 0:
+                raise ValueError(f"sandbox limit {name} must be positive, got {value}")
+        if self.open_files < 16:
+            raise ValueError(f"sandbox limit open_files must be >= 16 (Python needs some), got {self.open_files}")
+
+
+@dataclass
+class CellResult:
+    """One call's outcome: the text the model sees, and the failure kind the trainer counts."""
+
+    output: str  # printed output (stdout and stderr interleaved), cut to max_output_chars
+    size: int  # bytes printed in all
+    kind: str | None  # None, or one of FAILURE_KINDS
+    error: str | None  # traceback or the limit that stopped the code
+    seconds: float
+
+
+FAILURE_KINDS = ("exception", "timeout", "cpu_limit", "memory_limit", "output_limit", "killed")
+
+
+class PythonSandbox:
+    """One trajectory's interpreter and scratch directory. `run` never raises for what the code does.
+
+    With `persistent=True` the interpreter (and its variables) lives across the calls of the
+    trajectory, like a notebook kernel; otherwise each call gets a fresh interpreter. Files in the
+    scratch directory last for the whole trajectory either way. `aclose` ends both.
+    """
+
+    def __init__(
+        self, limits: SandboxLimits | None = None, *, isolation: Isolation = "auto", persistent: bool = False
+    ) -> None:
+        self.limits = limits or SandboxLimits()
+        self.isolation = resolve_isolation(isolation)
+        self.persistent = persistent
+        self.scratch: Path | None = None
+        self._proc: asyncio.subprocess.Process | None = None
+        self._cgroup: PidsCgroup | None = None
+        self._calls_in_process = 0  # calls the current interpreter has served (its state, when persistent)
+
+    async def run(self, code: str) -> CellResult:
+        """Run `code` in the interpreter; a dead or timed-out interpreter is replaced on the next call."""
+        start = time.perf_counter()
+        if self._proc is None:
+            await self._start()
+        assert self._proc is not None and self._proc.stdin is not None and self._proc.stdout is not None
+        try:
+            self._proc.stdin.write((json.dumps({"code": code}) + "\n").encode())
+            await self._proc.stdin.drain()
+            line = await asyncio.wait_for(self._proc.stdout.readline(), self.limits.wall_seconds)
+        except TimeoutError:
+            await self._kill()
+            message = f"timed out: the code ran past the {self.limits.wall_seconds:g} s limit and was stopped"
+            return CellResult("", 0, "timeout", message, time.perf_counter() - start)
+        except (ConnectionError, OSError, ValueError):  # died before reading (ValueError: line over the limit)
+            line = b""
+        except BaseException:  # cancelled by the caller's deadline: never leave a process behind
+            await self._kill()
+            raise
+        self._calls_in_process += 1
+        reply = _parse_reply(line)
+        if reply is None:
+            return CellResult("", 0, "killed", await self._death_message(), time.perf_counter() - start)
+        if not self.persistent:
+            await self._kill()
+        output = reply["output"][: self.limits.max_output_chars]
+        return CellResult(output, reply["size"], reply["kind"], reply["error"], time.perf_counter() - start)
+
+    @property
+    def had_state(self) -> bool:
+        """Whether a persistent interpreter had served calls, i.e. whether a restart loses variables."""
+        return self.persistent and self._calls_in_process > 0
+
+    async def aclose(self) -> None:
+        """Kill the interpreter and delete the scratch directory (end of the trajectory)."""
+        await self._kill()
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch = None
+
+    async def _start(self) -> None:
+        if self.scratch is None:
+            self.scratch = Path(tempfile.mkdtemp(prefix="agent-r1-python-"))
+        config = {**asdict(self.limits), "max_output_bytes": 4 * self.limits.max_output_chars}
+        command = [sys.executable, "-I", "-c", RUNNER, json.dumps(config)]
+        self._cgroup = PidsCgroup.create(self.limits.processes)
+        self._proc = await asyncio.create_subprocess_exec(
+            *(_bwrap_prefix(self.scratch) + command if self.isolation == "bwrap" else command),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=self.scratch,
+            env=_clean_env(self.scratch if self.isolation == "none" else Path("/tmp")),
+            start_new_session=True,  # one process group to kill, whatever the code starts
+            limit=_REPLY_LIMIT,
+            preexec_fn=self._cgroup.join if self._cgroup else None,
+        )
+        self._calls_in_process = 0
+
+    async def _kill(self) -> None:
+        """SIGKILL the interpreter's process group (and so, under bwrap, its whole PID namespace)."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        if self._cgroup is not None:
+            await self._cgroup.remove()
+            self._cgroup = None
+
+    async def _death_message(self) -> str:
+        """Why the interpreter ended without answering: a signal (a hard limit) or its own error output."""
+        proc = self._proc
+        await self._kill()
+        assert proc is not None
+        stderr = (await proc.stderr.read(2000)).decode(errors="replace").strip() if proc.stderr else ""
+        code = proc.returncode
+        # a signal ends the process directly (-N), or bwrap's inner process, which bwrap reports as 128 + N
+        signum = -code if code is not None and code < 0 else None
+        if code is not None and code > 128 and self.isolation == "bwrap":
+            signum = code - 128
+        if signum is not None:
+            name = signal.Signals(signum).name
+            why = {"SIGKILL": "killed (a hard limit: CPU time or memory)", "SIGXCPU": "the CPU time limit"}
+            return f"the interpreter was stopped by {name}: {why.get(name, 'a signal')}"
+        return f"the interpreter exited with code {code}" + (f": {stderr.splitlines()[-1]}" if stderr else "")
+
+
+def _parse_reply(line: bytes) -> dict | None:
+    """The runner's reply, or None when the process died (or wrote something that is not a reply)."""
+    try:
+        reply = json.loads(line)
+    except ValueError:
+        return None
+    keys = {"output", "size", "kind", "error"}
+    return reply if isinstance(reply, dict) and keys <= reply.keys() else None
+
+
+def _clean_env(home: Path) -> dict[str, str]:
+    """A minimal environment: nothing of the trainer's (tokens, keys) leaks into model code."""
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": str(home),
+        "TMPDIR": str(home),
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONHASHSEED": "0",  # the same code prints the same set order in every run
+        # one thread per numeric library: thread pools reserve address space (RLIMIT_AS) and processes
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+
+
+def _bwrap_prefix(scratch: Path) -> list[str]:
+    """bubblewrap's command line: the host read-only, the scratch directory writable at /tmp, no network,
+    and this user's home hidden (tokens, keys), less the Python installation when it lives there."""
+    home = str(Path.home())
+    prefixes = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
+    keep = [arg for p in prefixes if p.startswith(home + os.sep) for arg in ("--ro-bind", p, p)]
+    return [
+        "bwrap",
+        "--ro-bind", "/", "/",
+        "--dev", "/dev",
+        "--proc", "/proc",
+        "--tmpfs", home, *keep,
+        "--bind", str(scratch), "/tmp",
+        "--chdir", "/tmp",
+        "--unshare-all", "--unshare-user",  # user, PID, network, IPC, UTS and cgroup namespaces
+        "--uid", str(NOBODY), "--gid", str(NOBODY),
+        "--die-with-parent",
+        "--new-session",  # no TIOCSTI into the terminal that started the trainer
+        "--cap-drop", "ALL",
+    ]  # fmt: skip
+
+
+class PidsCgroup:
+    """A cgroup (v1 pids controller) that caps the processes of one sandbox, for when we run as root.
+
+    RLIMIT_NPROC does not bind root (the kernel exempts uid 0, even inside a user namespace), so a
+    root trainer bounds a fork bomb with `pids.max`, as container runtimes do. Without a writable
+    pids hierarchy (not root, or cgroup v2 only) this is None and RLIMIT_NPROC does the job, since an
+    unprivileged sandbox counts its processes in its own user namespace.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @classmethod
+    def create(cls, limit: int) -> PidsCgroup | None:
+        root = Path("/sys/fs/cgroup/pids")
+        if os.geteuid() != 0 or not (root / "cgroup.procs").exists():
+            return None
+        own = next((line.split(":", 2)[2].strip() for line in _read("/proc/self/cgroup") if ":pids:" in line), "/")
+        path = root / own.lstrip("/") / f"agent-r1-python-{uuid.uuid4().hex[:12]}"
+        try:
+            path.mkdir()
+            (path / "pids.max").write_text(str(limit))
+        except OSError:
+            return None
+        return cls(path)
+
+    def join(self) -> None:
+        """Move the calling process into the cgroup (run in the child before exec: its tree follows)."""
+        (self.path / "cgroup.procs").write_text("0")
+
+    async def remove(self) -> None:
+        """rmdir once the killed processes are gone (they exit asynchronously after SIGKILL)."""
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                await asyncio.sleep(0.02)
+
+
+def _read(path: str) -> list[str]:
+    try:
+        return Path(path).read_text().splitlines()
+    except OSError:
+        return []
+
+
+def resolve_isolation(isolation: Isolation) -> Literal["bwrap", "none"]:
+    """`auto` is bwrap when it works here, else `none` with a warning; `bwrap` that cannot work is an error."""
+    if isolation not in ("auto", "bwrap", "none"):
+        raise ValueError(f"sandbox isolation must be auto, bwrap or none, got {isolation!r}")
+    if isolation == "none":
+        return "none"
+    problem = bwrap_problem()
+    if problem is None:
+        return "bwrap"
+    if isolation == "bwrap":
+        raise RuntimeError(f"sandbox isolation=bwrap is not available here: {problem}")
+    _warn_once(problem)
+    return "none"
+
+
+@functools.cache
+def bwrap_problem() -> str | None:
+    """None when a bubblewrap sandbox starts here, else why not (checked once per process)."""
+    if shutil.which("bwrap") is None:
+        return "bwrap is not installed (Debian/Ubuntu: apt-get install bubblewrap)"
+    with tempfile.TemporaryDirectory() as scratch:
+        try:
+            probe = subprocess.run(
+                [*_bwrap_prefix(Path(scratch)), sys.executable, "-I", "-c", "pass"], capture_output=True, timeout=30
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"bwrap did not start: {exc}"
+    if probe.returncode != 0:
+        lines = probe.stderr.decode(errors="replace").strip().splitlines()
+        why = lines[-1] if lines else f"exit code {probe.returncode}"
+        return f"bwrap failed ({why}); unprivileged user namespaces may be disabled"
+    return None
+
+
+@functools.cache
+def _warn_once(problem: str) -> None:
+    warnings.warn(
+        f"python sandbox without isolation: {problem}. Model code runs with resource limits only: "
+        "it can reach the network and write wherever this user can.",
+        stacklevel=3,
+    )

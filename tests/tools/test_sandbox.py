@@ -1,0 +1,186 @@
+"""The python sandbox under attack: each attack is contained, reported by kind, and the next call works.
+
+Isolation tests (network, filesystem) need bubblewrap; `make test` installs it. Without it they are
+skipped with the reason, and the resource-limit tests still run (they hold with isolation="none").
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from agent_r1.tools import sandbox as sandbox_mod
+from agent_r1.tools.sandbox import PythonSandbox, SandboxLimits, bwrap_problem, resolve_isolation
+
+needs_bwrap = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap sandbox: {bwrap_problem()}")
+ISOLATIONS = [pytest.param("bwrap", marks=needs_bwrap), "none"]
+FAST = SandboxLimits(wall_seconds=3, cpu_seconds=1, memory_mb=512)
+
+
+@pytest.fixture(params=ISOLATIONS)
+async def box(request):
+    sb = PythonSandbox(FAST, isolation=request.param, persistent=True)
+    yield sb
+    await sb.aclose()
+
+
+def sandbox_processes() -> list[psutil.Process]:
+    """This test process's descendants: a contained attack leaves none behind once the sandbox closes."""
+    return psutil.Process().children(recursive=True)
+
+
+async def test_state_persists_and_the_last_expression_is_shown(box):
+    assert (await box.run("x = 6\nx * 7")).output == "42\n"
+    r = await box.run("print('out'); import sys; print('err', file=sys.stderr); x")
+    assert (r.output, r.kind) == ("out\nerr\n6\n", None)  # in the order it was written, then the value
+
+
+async def test_without_persistence_each_call_is_a_fresh_interpreter_but_files_stay():
+    sb = PythonSandbox(FAST, persistent=False)
+    try:
+        await sb.run("x = 1\nopen('note.txt', 'w').write('kept')")
+        r = await sb.run("print(open('note.txt').read())\nx")
+        assert r.output.startswith("kept\n") and r.kind == "exception" and "NameError" in r.error
+        scratch = sb.scratch
+        assert (scratch / "note.txt").read_text() == "kept"
+    finally:
+        await sb.aclose()
+    assert not scratch.exists() and not sandbox_processes()
+
+
+async def test_an_exception_shows_the_models_traceback_not_the_runners(box):
+    r = await box.run("def f():\n    return 1 / 0\nf()")
+    assert r.kind == "exception"
+    assert 'File "<cell 1>", line 2, in f' in r.error and "return 1 / 0" in r.error
+    assert r.error.endswith("ZeroDivisionError: division by zero") and "<string>" not in r.error
+
+
+async def test_an_infinite_loop_hits_the_cpu_limit_and_the_interpreter_survives(box):
+    await box.run("y = 5")
+    r = await box.run("while True:\n    pass")
+    assert r.kind == "cpu_limit" and "CPU time limit" in r.error and r.seconds < FAST.wall_seconds
+    assert (await box.run("y")).output == "5\n"  # same interpreter, variables intact
+
+
+async def test_a_sleep_past_the_wall_clock_is_killed_and_the_next_call_restarts(box):
+    await box.run("z = 1")
+    start = time.perf_counter()
+    r = await box.run("import time\ntime.sleep(60)")
+    assert r.kind == "timeout" and time.perf_counter() - start < FAST.wall_seconds + 2
+    r = await box.run("z")
+    assert r.kind == "exception" and "NameError" in r.error  # a fresh interpreter
+
+
+async def test_a_fork_bomb_is_contained(box):
+    r = await box.run("import os\nwhile True:\n    os.fork()")
+    assert r.kind == "exception" and "BlockingIOError" in r.error  # the process limit stopped it
+    assert (await box.run("1 + 1")).output == "2\n"  # and the interpreter still answers
+    await box.aclose()
+    deadline = time.time() + 5
+    while sandbox_processes() and time.time() < deadline:
+        time.sleep(0.05)
+    assert not sandbox_processes()
+
+
+async def test_a_10_gb_allocation_is_refused(box):
+    r = await box.run("a = bytearray(10 * 1024**3)")
+    assert r.kind == "memory_limit" and "MemoryError" in r.error and "512 MB" in r.error
+    assert (await box.run("len(bytearray(10 * 1024**2))")).output == "10485760\n"
+
+
+async def test_a_huge_print_is_cut_and_a_runaway_one_hits_the_output_limit(box):
+    r = await box.run("print('x' * 100_000)")
+    assert r.kind is None and r.output == "x" * FAST.max_output_chars and r.size == 100_001
+    r = await box.run("while True:\n    print('y' * 1000)")
+    assert r.kind == "output_limit" and r.size >= FAST.file_mb * 1024 * 1024 - 1000
+    assert (await box.run("'alive'")).output == "'alive'\n"
+
+
+async def test_a_process_that_kills_itself_is_reported_and_replaced(box):
+    r = await box.run("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+    assert r.kind == "killed" and "SIGKILL" in r.error
+    assert (await box.run("2 * 21")).output == "42\n"
+
+
+async def test_the_trainers_environment_does_not_leak_in(box, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "secret-key")
+    r = await box.run("import os\nsorted(k for k in os.environ if 'KEY' in k or 'TOKEN' in k)")
+    assert r.output == "[]\n"
+
+
+@needs_bwrap
+async def test_writing_outside_the_scratch_directory_fails():
+    target = Path(tempfile.mkdtemp(dir="/var/tmp"))  # not /tmp: inside the sandbox that is the scratch dir
+    target.chmod(0o777)  # writable by anyone: only the sandbox can stop the write
+    sb = PythonSandbox(FAST, isolation="bwrap")
+    try:
+        r = await sb.run(f"open({str(target / 'evil')!r}, 'w').write('x')")
+        assert r.kind == "exception" and "Read-only file system" in r.error
+        assert (await sb.run("open('/tmp/ok', 'w').write('fine')")).kind is None  # /tmp is the scratch dir
+        assert (sb.scratch / "ok").read_text() == "fine"
+    finally:
+        await sb.aclose()
+        written = (target / "evil").exists()
+        shutil.rmtree(target)
+    assert not written
+
+
+@needs_bwrap
+async def test_the_home_directory_is_hidden():
+    secret = Path.home() / f".agent-r1-test-secret-{os.getpid()}"
+    secret.write_text("token")
+    sb = PythonSandbox(FAST, isolation="bwrap")
+    try:
+        r = await sb.run(f"open({str(secret)!r}).read()")
+        assert r.kind == "exception" and "FileNotFoundError" in r.error
+    finally:
+        secret.unlink()
+        await sb.aclose()
+
+
+@needs_bwrap
+async def test_no_network_not_even_the_hosts_loopback():
+    accepted = []
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    server.settimeout(3)
+    thread = threading.Thread(target=lambda: accepted.append(_accept(server)), daemon=True)
+    thread.start()
+    sb = PythonSandbox(FAST, isolation="bwrap")
+    try:
+        local = await sb.run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)")
+        remote = await sb.run("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)")
+    finally:
+        await sb.aclose()
+    thread.join()
+    server.close()
+    assert local.kind == "exception" and "ConnectionRefusedError" in local.error
+    assert remote.kind == "exception" and "Network is unreachable" in remote.error
+    assert accepted == [None]  # the host's server saw no connection
+
+
+def _accept(server: socket.socket) -> object:
+    try:
+        return server.accept()
+    except TimeoutError:
+        return None
+
+
+def test_limits_and_isolation_are_checked(monkeypatch):
+    with pytest.raises(ValueError, match="memory_mb must be positive"):
+        SandboxLimits(memory_mb=0)
+    with pytest.raises(ValueError, match="isolation must be auto, bwrap or none"):
+        resolve_isolation("docker")
+    monkeypatch.setattr(sandbox_mod, "bwrap_problem", lambda: "bwrap is not installed")
+    with pytest.raises(RuntimeError, match="isolation=bwrap is not available here: bwrap is not installed"):
+        resolve_isolation("bwrap")
+    with pytest.warns(UserWarning, match="without isolation"):
+        assert resolve_isolation("auto") == "none"
