@@ -97,7 +97,8 @@ def main() -> None:
         code = json.loads(line)["code"]
         os.ftruncate(1, 0)
         os.lseek(1, 0, os.SEEK_SET)
-        soft = min(int(cpu_used() + cfg["cpu_seconds"]) + 1, cfg["session_cpu_seconds"])
+        # RLIMIT_CPU counts whole seconds of the process's life: this call's budget is right to +-0.5 s
+        soft = min(max(1, round(cpu_used() + cfg["cpu_seconds"])), cfg["session_cpu_seconds"])
         resource.setrlimit(resource.RLIMIT_CPU, (soft, cfg["session_cpu_seconds"]))
         kind, error = None, None
         try:
