@@ -19,7 +19,7 @@ from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.env.tool_calls import extract_answer, format_tool_call, format_tool_responses
 from agent_r1.env.tool_env import ToolEnv
 from agent_r1.rewards import answer_format, numeric_match
-from agent_r1.tools import calculator
+from agent_r1.tools import calculator, python_tool
 from agent_r1.tools.calculator import evaluate, format_number
 from agent_r1.types import Message
 
@@ -36,29 +36,28 @@ class Options:
     """weight of the answer-format check added to the outcome reward"""
     data: str | None = None
     """jsonl of tasks (question, answer) instead of generated problems (used whole, for any split)"""
+    tool: str = "calculator"
+    """what the model computes with: calculator, or python (a sandboxed interpreter per episode)"""
 
     def __post_init__(self) -> None:
         if not self.ops or any(o not in (1, 2, 3) for o in self.ops):
             raise ValueError(f"task.ops must be operation counts in 1..3, got {self.ops}")
+        if self.tool not in ("calculator", "python"):
+            raise ValueError(f"task.tool must be calculator or python, got {self.tool!r}")
 
 
 INSTRUCTIONS = (
     "Solve the problem. Use the calculator for every computation, then give the final number inside <answer></answer>."
 )
+PYTHON_INSTRUCTIONS = (
+    "Solve the problem. Use python to print every computation, then give the final number inside <answer></answer>."
+)
 
-# One worked episode, shown before the question when few_shot is on.
-EXAMPLE: list[Message] = [
-    {
-        "role": "user",
-        "content": "A shop sells 37 boxes with 24 pens in each box. How many pens does it sell?",
-    },
-    {
-        "role": "assistant",
-        "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37 * 24"}}\n</tool_call>',
-    },
-    {"role": "user", "content": "<tool_response>\n888\n</tool_response>"},
-    {"role": "assistant", "content": "<answer>888</answer>"},
-]
+EXAMPLE_TASK = {
+    "question": "A shop sells 37 boxes with 24 pens in each box. How many pens does it sell?",
+    "solution": "37 * 24",
+}
+
 
 _ITEMS = [
     ("crates", "bottles"),
@@ -124,35 +123,39 @@ def tasks(options: Options, split: Split, n: int, seed: int = 0) -> list[dict[st
 
 
 def make_env(options: Options, prompt_format: PromptFormat, max_turns: int = 4) -> ToolEnv:
-    """A ToolEnv with the calculator, this task's instructions and reward."""
+    """A ToolEnv with the calculator (or a fresh python sandbox), this task's instructions and reward."""
+    python = options.tool == "python"
     return ToolEnv(
-        {"calculator": calculator},
+        {"python": python_tool()} if python else {"calculator": calculator},
         prompt_format,
         functools.partial(reward, format_weight=options.format_weight),
-        instructions=INSTRUCTIONS,
-        examples=EXAMPLE if options.few_shot else None,
+        instructions=PYTHON_INSTRUCTIONS if python else INSTRUCTIONS,
+        examples=demo(EXAMPLE_TASK, options.tool) if options.few_shot else None,
         max_turns=max_turns,
     )
 
 
 def demos(options: Options, env: ToolEnv, n: int, seed: int = 0) -> list[list[Message]]:
-    """`n` training problems, each solved with one calculator call of its whole expression."""
-    return [demo(t) for t in make_tasks(n, seed=seed, ops=options.ops)]
+    """`n` training problems, each solved with one tool call of its whole expression."""
+    return [demo(t, options.tool) for t in make_tasks(n, seed=seed, ops=options.ops)]
 
 
-def demo(task: dict[str, Any]) -> list[Message]:
-    """One problem as a demonstration: the call, the real calculator's answer, the final answer."""
+def demo(task: dict[str, Any], tool: str = "calculator") -> list[Message]:
+    """One problem as a demonstration: the call, the real tool's answer, the final answer."""
     result = calculator_result(task["solution"])
     return [
         {"role": "user", "content": task["question"]},
-        {"role": "assistant", "content": tool_call_text(task["solution"])},
+        {"role": "assistant", "content": tool_call_text(task["solution"], tool)},
         {"role": "user", "content": format_tool_responses([result])},
         {"role": "assistant", "content": f"<answer>{result}</answer>"},
     ]
 
 
-def tool_call_text(expression: str) -> str:
-    """The hermes call the model is taught to write for one calculator computation."""
+def tool_call_text(expression: str, tool: str = "calculator") -> str:
+    """The hermes call the model is taught to write for one computation: the calculator's expression,
+    or python code that prints it (integer arithmetic: python prints what the calculator answers)."""
+    if tool == "python":
+        return format_tool_call("python", {"code": f"print({expression})"})
     return format_tool_call("calculator", {"expression": expression})
 
 
@@ -162,3 +165,6 @@ def calculator_result(expression: str) -> str:
         return format_number(evaluate(expression))
     except ValueError as exc:
         return f"Error: {exc}"
+
+
+EXAMPLE: list[Message] = demo(EXAMPLE_TASK)  # the worked episode shown before the question (few_shot)
