@@ -1,6 +1,6 @@
 """The interpreter that runs inside the sandbox (`agent_r1.tools.sandbox`). Standard library only.
 
-It is started as `python -I -c <this file's text> <limits as JSON>`, sets its own resource limits
+It is started as `python -I -S -c <this file's text> <limits as JSON>`, sets its own resource limits
 before it runs any model code (a process may always lower its limits, never raise a hard one), then
 answers one JSON line per JSON request line `{"code": ...}` on its original stdin/stdout, which it
 keeps on private descriptors. The model's code sees an empty stdin, and its stdout and stderr
@@ -87,7 +87,8 @@ def main() -> None:
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
     sys.stdout, sys.stderr = unbuffered(1), unbuffered(2)
-    sys.path.insert(0, os.getcwd())  # modules the code writes into its scratch directory import
+    sys.path[:0] = [os.getcwd()]  # modules the code writes into its scratch directory import
+    sys.path += cfg["paths"]  # the installed packages (started with -S: no site, so no .pth files run)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # over the file limit a write fails (EFBIG), no kill
     signal.signal(signal.SIGXCPU, on_xcpu)
     set_limits(cfg)
