@@ -11,7 +11,9 @@
 Every request goes through the engine's queue, so concurrent requests are decoded as one batch. Each
 has a deadline, and a client that goes away (or times out) cancels its generation: the engine drops
 its row at the next token. Bad input never reaches the engine: it becomes a 4xx with an OpenAI-style
-`{"error": {...}}` body, and the server keeps serving.
+`{"error": {...}}` body, and the server keeps serving. A body over `max_request_bytes` is a 413
+before it is read whole, and prompts are rendered and tokenized off the event loop, so one huge
+request neither fills the memory nor stalls every other client's stream.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import json
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +34,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Message as ASGIMessage
 from transformers import PreTrainedTokenizerBase
 
 from agent_r1.env.prompt_format import PromptFormat
@@ -69,6 +74,7 @@ class ServedModel:
     request_timeout: float = 300.0  # seconds before a request is cancelled and answered with a 504
     default_max_tokens: int = 512  # chat completions without max_tokens get at most this many
     allow_weight_updates: bool = False  # /v1/load_weights replaces the model: only for a trainer's own server
+    max_request_bytes: int = 8 * 2**20  # a larger body is a 413, refused before it is held in memory
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -76,6 +82,7 @@ def create_app(served: ServedModel) -> FastAPI:
     """The FastAPI app; run it with uvicorn (`agent-r1 serve`) or call it in-process in tests."""
     api = _API(served)
     app = FastAPI(title="agent-r1", summary="OpenAI-compatible API and rollout engine")
+    app.add_middleware(_BodyLimit, limit=served.max_request_bytes)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -87,13 +94,13 @@ def create_app(served: ServedModel) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return _error_response(APIError(exc.status_code, str(exc.detail)))
+        return _error_response(exc.error if isinstance(exc, _TooLarge) else APIError(exc.status_code, str(exc.detail)))
 
     @app.exception_handler(Exception)
     async def server_error(_: Request, exc: Exception) -> JSONResponse:
         return _error_response(_server_error(exc))
 
-    app.get("/health")(lambda: {"status": "ok"})
+    app.get("/health")(lambda: {"status": "ok", "generating": api.generating})
     app.get("/v1/models")(api.models)
     app.post("/v1/chat/completions")(api.chat)
     app.post("/v1/completions")(api.completions)
@@ -106,6 +113,7 @@ class _API:
         self.s = served
         self.eos_ids = served.engine.eos_ids
         self._loading = asyncio.Lock()  # one weight load at a time: one extra copy of the weights in memory
+        self.generating = 0  # requests queued or decoding; /health shows it, so a leaked one is visible
 
     # --- endpoints -----------------------------------------------------------------------------------
     async def models(self) -> dict[str, Any]:
@@ -116,8 +124,9 @@ class _API:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
         self._check_model(body.model)
+        _check_unicode(body)
         tools = _tool_schemas(body.tools) if body.tools and body.tool_choice != "none" else []
-        prompt = self.s.prompt_format.initial(_template_messages(body.messages, tools))
+        prompt = await _off_loop(self.s.prompt_format.initial, _template_messages(body.messages, tools))
         stops = body.stops + tuple(self.s.prompt_format.stop)
         max_tokens = self._budget(len(prompt), body.max_completion_tokens or body.max_tokens, "messages")
         params = SamplingParams(
@@ -144,7 +153,9 @@ class _API:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         self._check_model(body.model)
-        prompts = self._prompt_ids(body.prompt)
+        _check_unicode(body)
+        self._check_rows(body)
+        prompts = await _off_loop(self._prompt_ids, body.prompt)
         longest = max(len(p) for p in prompts)
         self._budget(longest, body.max_tokens, "prompt")
         params = SamplingParams(
@@ -181,6 +192,18 @@ class _API:
                 param="model", code="model_not_found",
             )  # fmt: skip
 
+    def _check_rows(self, body: CompletionRequest) -> None:
+        """A 400 for more rows (prompts x n) than one batch holds: a small body could otherwise queue
+        millions of rows, which take the memory and hold the engine for hours ahead of everyone."""
+        p = body.prompt
+        prompts = 1 if isinstance(p, str) or not p or isinstance(p[0], int) else len(p)
+        limit = self.s.engine.max_batch_size
+        if prompts * body.n > limit:
+            raise APIError(
+                400, f"{prompts} prompts x n={body.n} is {prompts * body.n} rows; this server decodes at most "
+                f"{limit} rows per request (max_batch_size). Send fewer prompts per request.", param="prompt",
+            )  # fmt: skip
+
     def _budget(self, prompt_len: int, requested: int | None, param: str) -> int:
         """max_tokens for a prompt, or a 400 when prompt + requested tokens exceed the context."""
         limit = self.s.engine.max_context
@@ -211,11 +234,13 @@ class _API:
         """Whole responses, cancelled when the client disconnects or the deadline passes."""
         work = asyncio.ensure_future(self.s.engine.generate(prompts, params))
         gone = asyncio.ensure_future(_disconnected(request))
+        self.generating += 1
         try:
             done, _ = await asyncio.wait({work, gone}, timeout=self.s.request_timeout, return_when="FIRST_COMPLETED")
         finally:
             work.cancel()  # a no-op when it finished; otherwise the engine drops the rows
             gone.cancel()
+            self.generating -= 1
         if work in done:
             return work.result()
         if gone in done:  # nobody is listening; the status is for the logs
@@ -237,10 +262,12 @@ class _API:
             except TimeoutError:
                 raise _timeout(self.s.request_timeout) from None
 
+        self.generating += 1
         try:
             yield next_event, work.result
         finally:
             work.cancel()
+            self.generating -= 1
 
     async def _chat_events(
         self, head: dict, prompt: list[int], params: SamplingParams, stops: tuple[str, ...], tools: bool
@@ -344,7 +371,7 @@ def _text(m: ChatMessage, i: int) -> str:
 def _arguments(arguments: str, i: int) -> Any:
     try:
         return json.loads(arguments)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, a number of more than 4300 digits, nesting too deep
         raise APIError(400, "tool call arguments must be a JSON string", param=f"messages[{i}].tool_calls") from None
 
 
@@ -357,7 +384,7 @@ def _tool_schemas(specs: list[ToolSpec]) -> list[dict]:
             if f.parameters.get("type") != "object":
                 raise ValueError('parameters must be a JSON schema with "type": "object"')
             schemas.append(Tool(f.name, f.description, f.parameters, fn=_runs_on_client).schema)
-        except (ValueError, jsonschema.SchemaError) as exc:
+        except (ValueError, TypeError, jsonschema.SchemaError) as exc:  # TypeError: `$schema` is not a string
             message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise APIError(400, f"invalid tool {f.name!r}: {message}", param=f"tools[{i}]") from None
     return schemas
@@ -459,3 +486,75 @@ def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+_TOKENIZE = ThreadPoolExecutor(max_workers=2, thread_name_prefix="agent-r1-tokenize")
+
+
+async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run fn (rendering and tokenizing a prompt) in a thread: a prompt of megabytes takes seconds, and
+    on the event loop it would freeze every stream and health check meanwhile. The pool is its own, so
+    it never takes the threads the engine decodes in."""
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZE, fn, *args)
+
+
+def _check_unicode(body: Any) -> None:
+    """A 400 naming the first string that is not Unicode text: JSON's `\\ud800` escape gives a lone
+    surrogate, which the tokenizer refuses with a TypeError (a 500) and UTF-8 cannot encode."""
+    stack: list[tuple[str, Any]] = [("", body.model_dump())]
+    while stack:  # iterative: content parts may nest deeper than the recursion limit
+        path, value = stack.pop()
+        if isinstance(value, str) and not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise APIError(
+                    400, f"{path}: text is not valid Unicode (a lone surrogate at character {exc.start})", param=path
+                ) from None
+        elif isinstance(value, dict):
+            stack += [(f"{path}.{k}".lstrip("."), v) for k, v in value.items()]
+            stack += [(path, k) for k in value if isinstance(k, str)]  # keys reach the prompt too (tool schemas)
+        elif isinstance(value, list):
+            stack += [(f"{path}.{i}", v) for i, v in enumerate(value) if isinstance(v, str | dict | list)]
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is a 413. A Content-Length over it is refused
+    before a byte is read; a chunked body is counted as it arrives and refused once it passes the limit,
+    so at most `limit` bytes (plus one chunk) are ever held."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.limit:
+            return await _error_response(self._too_large(f"{int(length)} bytes"))(scope, receive, send)
+        seen = 0
+
+        async def counted() -> ASGIMessage:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _TooLarge(self._too_large(f"more than {self.limit} bytes"))
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _too_large(self, size: str) -> APIError:
+        return APIError(
+            413, f"the request body ({size}) is over this server's limit of {self.limit} bytes (max_request_mb)",
+            code="request_too_large",
+        )  # fmt: skip
+
+
+class _TooLarge(HTTPException):
+    """Raised while the body is read: FastAPI turns any other exception there into a generic 400, but
+    lets an HTTPException through to the handler, which answers with `error`."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.status, error.message)
+        self.error = error

@@ -35,7 +35,7 @@ class _Request(BaseModel):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # a torch generator's seed: 64 bits, as vLLM's
     stream: bool = False
     return_token_ids: bool = False  # vLLM: put sampled (and prompt) token ids in the response
 

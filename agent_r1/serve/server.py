@@ -46,6 +46,8 @@ class ServeConfig:
     """chat template or plain text; auto = chat when the model has a template"""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """uvicorn log level"""
+    max_request_mb: float = 8.0
+    """largest request body in MiB; a larger one is refused with a 413 before it is read into memory"""
     allow_weight_updates: bool = False
     """accept POST /v1/load_weights (a trainer's rollout server, rollout.engine=remote): any client that
     reaches the server can then replace its weights"""
@@ -53,8 +55,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if self.max_batch_size < 1 or self.max_tokens < 1 or self.request_timeout <= 0:
-            raise ValueError("max_batch_size, max_tokens and request_timeout must be positive")
+        if self.max_batch_size < 1 or self.max_tokens < 1 or self.request_timeout <= 0 or self.max_request_mb <= 0:
+            raise ValueError("max_batch_size, max_tokens, request_timeout and max_request_mb must be positive")
 
     @property
     def served_name(self) -> str:
@@ -74,7 +76,7 @@ def run_serve(cfg: ServeConfig) -> None:
     served = ServedModel(
         engine, tokenizer, prompt_format_for(tokenizer, chat=chat), cfg.served_name,
         request_timeout=cfg.request_timeout, default_max_tokens=cfg.max_tokens,
-        allow_weight_updates=cfg.allow_weight_updates,
+        allow_weight_updates=cfg.allow_weight_updates, max_request_bytes=int(cfg.max_request_mb * 2**20),
     )  # fmt: skip
     sock = socket.create_server((cfg.host, cfg.port), reuse_port=False)
     host, port = sock.getsockname()[:2]
