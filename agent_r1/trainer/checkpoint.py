@@ -3,8 +3,11 @@
 A checkpoint is written into a temporary directory and renamed into place only once complete, so
 a crash or kill mid-save leaves either the previous checkpoints or the new one, never half of one.
 `latest_checkpoint` only considers directories named `step_NNNNNN` that hold `meta.json` (the last
-file written), and the last `keep` of them survive. A torchrun job's checkpoint is sharded: every rank
-writes its part with `torch.distributed.checkpoint`, and rank 0 renames the whole once all have.
+file written), and the last `keep` of them survive. A checkpoint is deleted the same way round:
+renamed to a temporary name first, so a kill mid-delete never leaves a `step_NNNNNN` that lacks some
+of its files; the next save removes what a kill left under a temporary name. A torchrun job's
+checkpoint is sharded: every rank writes its part with `torch.distributed.checkpoint`, and rank 0
+renames the whole once all have.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ def save_checkpoint(
         return _save_sharded(Path(run_dir), step, modules, optimizer, scheduler, extra, keep, dist)
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(root)
     final = root / f"step_{step:06d}"
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-step_{step:06d}-"))
     try:
@@ -70,7 +74,7 @@ def save_checkpoint(
         (tmp / "meta.json").write_text(json.dumps({"step": step, **extra}, indent=1))  # written last
         _fsync_dir(tmp)
         if final.exists():  # re-saving the same step (e.g. after a resume): replace it
-            shutil.rmtree(final)
+            _remove(final)
         os.replace(tmp, final)
         _fsync_dir(root)
     finally:
@@ -81,7 +85,25 @@ def save_checkpoint(
 
 def _prune(root: Path, keep: int) -> None:
     for old in sorted(_complete(root))[:-keep] if keep > 0 else []:
-        shutil.rmtree(old[1], ignore_errors=True)
+        _remove(old[1])
+
+
+def _remove(checkpoint: Path) -> None:
+    """Delete a checkpoint directory: renamed out of the `step_NNNNNN` names first, because rmtree
+    deletes file by file, and a kill in between would leave a directory that still holds meta.json
+    (and so looks complete) without its weights."""
+    doomed = checkpoint.with_name(f".tmp-remove-{checkpoint.name}")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(checkpoint, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Delete the temporary directories of saves and deletes that a kill interrupted (SIGKILL runs no
+    `finally`); each can hold a whole checkpoint. Only this run's trainer writes under `root`."""
+    for d in root.iterdir():
+        if d.name.startswith(".tmp-"):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _save_sharded(
@@ -95,7 +117,7 @@ def _save_sharded(
     final, tmp = root / f"step_{step:06d}", root / f".tmp-step_{step:06d}"
     if dist.main:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a save killed half-way
+        _remove_leftovers(root)  # a save killed half-way
         tmp.mkdir()
     dist.barrier()
     model_state, optim_state = get_state_dict(torch.nn.ModuleDict(modules), optimizer)
@@ -107,7 +129,7 @@ def _save_sharded(
         (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": dist.world, **extra}, indent=1))
         _fsync_dir(tmp)
         if final.exists():
-            shutil.rmtree(final)
+            _remove(final)
         os.replace(tmp, final)
         _fsync_dir(root)
         _prune(root, keep)

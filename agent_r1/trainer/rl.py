@@ -156,6 +156,9 @@ def train(
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         loggers = Loggers(cfg.log, run_dir, to_dict(cfg), keep_until=start if start else -1)
     health = HealthMonitor(cfg.health, console)
+    if dist.main and start and (run_dir / "metrics.jsonl").is_file():
+        # the trend checks compare with the run's first steps, not with the first ones since the resume
+        health.history = [m for m in read_metrics(run_dir) if m.get("step", 0) >= 1]
     history = []
     sync = _weight_sync(dist, policy, plain, engine, workers)
     sync()  # the engines start from the policy being trained (after a resume too)

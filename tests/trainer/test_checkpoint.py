@@ -1,5 +1,7 @@
 """A crash mid-save never leaves a checkpoint that resume would load."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -74,3 +76,42 @@ def test_a_crash_during_export_keeps_the_previous_policy_and_its_note(tmp_path, 
     kept = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").state_dict()
     assert all(torch.equal(kept[n], p) for n, p in before.items())
     assert [p.name for p in tmp_path.iterdir()] == ["policy"]  # no half-written export left behind
+
+
+def test_a_kill_while_pruning_leaves_no_step_directory_without_its_weights(tmp_path, monkeypatch):
+    """rmtree deletes file by file; killed after the weights but before meta.json, a pruned checkpoint
+    kept in place would still look complete. It is renamed away first, and the next save deletes it."""
+    model, opt, sched = parts()
+    for step in (1, 2):
+        ck.save_checkpoint(tmp_path, step, {"policy": model}, opt, sched, {"cursor": step}, keep=2)
+    real_rmtree = ck.shutil.rmtree
+
+    def killed_midway(path, ignore_errors=False):
+        path = Path(path)
+        if (path / "meta.json").is_file():
+            (path / "policy.safetensors").unlink()
+            raise KeyboardInterrupt  # SIGKILL: nothing after this line runs
+        real_rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(ck.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_checkpoint(tmp_path, 3, {"policy": model}, opt, sched, {"cursor": 3}, keep=2)
+    root = tmp_path / "checkpoints"
+    for step_dir in (d for d in root.iterdir() if d.name.startswith("step_")):
+        assert (step_dir / "policy.safetensors").is_file(), step_dir.name
+    assert sorted(d.name for d in root.iterdir() if d.name.startswith("step_")) == ["step_000002", "step_000003"]
+    monkeypatch.setattr(ck.shutil, "rmtree", real_rmtree)
+    ck.save_checkpoint(tmp_path, 4, {"policy": model}, opt, sched, {"cursor": 4}, keep=2)
+    assert sorted(d.name for d in root.iterdir()) == ["step_000003", "step_000004"]
+
+
+def test_the_next_save_deletes_what_killed_saves_left(tmp_path):
+    """SIGKILL skips `finally`: a save killed mid-write leaves its .tmp- directory (as big as a
+    checkpoint). Resume ignores it, and the next save deletes it."""
+    model, opt, sched = parts()
+    root = tmp_path / "checkpoints"
+    for name in (".tmp-step_000001-abc", ".tmp-step_000001-def", ".tmp-remove-step_000000"):
+        (root / name).mkdir(parents=True)
+        (root / name / "policy.safetensors").write_bytes(b"half")
+    ck.save_checkpoint(tmp_path, 1, {"policy": model}, opt, sched, {"cursor": 0})
+    assert [d.name for d in root.iterdir()] == ["step_000001"]

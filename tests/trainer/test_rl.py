@@ -378,6 +378,22 @@ def test_a_kill_between_checkpoints_resumes_without_duplicates_and_keeps_best_an
     assert a == [m["reward_mean"] for m in lines[1:]]
 
 
+def test_a_resumed_run_judges_health_trends_from_the_runs_first_steps(tmp_path, tokenizer):
+    """A trend check compares with the run's first steps; after a resume it must still see them, or
+    its flags in metrics.jsonl differ from an uninterrupted run's. Set to fire on any trend (window 1:
+    from step 2 on)."""
+    health = ("health.window=1", "health.format_error_rise=-1")
+    run(toy_config(tmp_path / "a", "steps=4", *health), tokenizer)
+    run(toy_config(tmp_path / "b", "steps=2", *health), tokenizer)
+    run(toy_config(tmp_path / "b", "steps=4", *health), tokenizer)  # resumes from step 2
+
+    def flags(d):
+        return [json.loads(x)["health/format_collapse"] for x in (d / "run/metrics.jsonl").read_text().splitlines()]
+
+    assert flags(tmp_path / "a") == [0.0, 1.0, 1.0, 1.0]
+    assert flags(tmp_path / "b") == flags(tmp_path / "a")
+
+
 def test_resume_refuses_a_changed_config_naming_the_key(tmp_path, tokenizer):
     run(toy_config(tmp_path, "steps=1"), tokenizer)
     with pytest.raises(ValueError, match=r"config differs at 'optim\.lr' \(0\.01 there, 0\.02 now\)"):
