@@ -250,21 +250,35 @@ def export_policy(
     must prompt it). `extra` files (name -> text, e.g. best.json) are written inside the same atomic
     rename, so the directory never holds weights without the notes that describe them."""
     out = Path(out_dir)
-    policy = merged_copy(model)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent if out.parent.exists() else None, prefix=".export-"))
+    old = out.with_name(f".export-old-{out.name}")
+    _keep_previous(out, old)  # a kill between the two renames below
+    if out.parent.exists():  # the rest a killed export left (`.export-*-NAME` names are only ever ours)
+        for leftover in out.parent.glob(f".export-*-{out.name}"):
+            shutil.rmtree(leftover, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent if out.parent.exists() else None, prefix=".export-new-"))
+    tmp = tmp.rename(tmp.with_name(f"{tmp.name}-{out.name}"))
     try:
+        policy = merged_copy(model)
         policy.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if info is not None:
             (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1))
         for name, text in (extra or {}).items():
             (tmp / name).write_text(text)
-        if out.exists():
-            shutil.rmtree(out)
+        if out.exists():  # set aside, not deleted, until the new one is in place: a kill loses neither
+            os.replace(out, old)
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        _keep_previous(out, old)  # the new export failed after the old one was set aside
+        shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+def _keep_previous(out: Path, old: Path) -> None:
+    """Put the previous export back where it was when no new one took its place."""
+    if old.exists() and not out.exists():
+        os.replace(old, out)
 
 
 def resume(

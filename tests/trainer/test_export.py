@@ -91,3 +91,24 @@ def test_bad_export_arguments_give_one_line(args, message, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_a_killed_export_loses_nothing_and_leaves_nothing(tmp_path, tokenizer, monkeypatch):
+    """SIGKILL runs no `finally`: between setting the previous export aside and renaming the new one in,
+    a kill leaves only `.export-old-policy`. The next export puts it back first, so it is never lost,
+    and clears what the killed one left; a failed export restores the previous one."""
+    from agent_r1.trainer import checkpoint
+
+    model = make_tiny_llama(len(tokenizer), hidden=32, eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id)
+    out = tmp_path / "policy"
+    (tmp_path / ".export-old-policy").mkdir()  # the state a kill between the renames leaves
+    (tmp_path / ".export-old-policy" / "agent_r1.json").write_text('{"previous": true}')
+    (tmp_path / ".export-new-abc123-policy").mkdir()  # a half-written export
+    monkeypatch.setattr(checkpoint, "merged_copy", lambda m: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.export_policy(model, tokenizer, out, info={"new": True})
+    assert json.loads((out / "agent_r1.json").read_text()) == {"previous": True}  # put back, not lost
+    monkeypatch.undo()
+    checkpoint.export_policy(model, tokenizer, out, info={"new": True})
+    assert json.loads((out / "agent_r1.json").read_text()) == {"new": True}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy"]  # no leftovers
