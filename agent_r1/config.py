@@ -28,17 +28,21 @@ T = TypeVar("T")
 class ConfigError(ValueError):
     """A bad config file, key or value; the message is one line naming what is wrong."""
 
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))  # one line, even when a key or a value holds a newline
+
 
 def load_config(cls: type[T], path: str | None = None, overrides: list[str] | None = None) -> T:
     """Build `cls` from an optional YAML file, then `key.sub=value` overrides (YAML-parsed values)."""
     raw: dict[str, Any] = {}
     if path is not None:
         try:
-            raw = yaml.safe_load(Path(path).read_text()) or {}
+            text = Path(path).read_text()
         except OSError as exc:
             raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        raw = _parse_yaml(text, f"config file {path}") or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping of keys to values")
     for item in overrides or []:
@@ -53,7 +57,7 @@ def load_config(cls: type[T], path: str | None = None, overrides: list[str] | No
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part} is not a section")
-        parsed = yaml.safe_load(value) if value else ""
+        parsed = _parse_yaml(value, f"override {_clip(item)!r}") if value else ""
         if isinstance(node.get(leaf), dict) and isinstance(parsed, str):  # `task.ops=[1]` then `task=calculator`
             if node[leaf].get("name", parsed) != parsed:  # another task: the earlier options were the old one's
                 node[leaf] = {}
@@ -61,6 +65,23 @@ def load_config(cls: type[T], path: str | None = None, overrides: list[str] | No
         else:
             node[leaf] = parsed
     return _build(cls, raw, prefix="")
+
+
+def _parse_yaml(text: str, what: str) -> Any:
+    """`text` as YAML, or a one-line ConfigError saying what (a file, an override) is not valid YAML."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        problem = (str(exc).splitlines() or [type(exc).__name__])[0]
+    except ValueError as exc:  # an int of more than 4300 digits, which Python will not convert
+        problem = str(exc).split(":")[0]
+    except RecursionError:  # PyYAML's parser recurses once per nesting level
+        problem = "nested too deeply"
+    raise ConfigError(f"{what} is not valid YAML: {problem}")
+
+
+def _clip(text: str, n: int = 60) -> str:
+    return text if len(text) <= n else text[:n] + "..."
 
 
 def build(cls: type[T], raw: dict[str, Any], prefix: str = "") -> T:
@@ -74,7 +95,7 @@ def _build(cls: type[T], raw: dict[str, Any], prefix: str) -> T:
     kwargs = {}
     for key, value in raw.items():
         if key not in fields:
-            close = _in_a_section(key, fields, raw) or difflib.get_close_matches(key, fields, n=1)
+            close = _in_a_section(key, fields, raw) or difflib.get_close_matches(str(key), fields, n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(fields)}"
             raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
         if hasattr(hints[key], "from_raw"):  # a section whose fields depend on its name (TaskSpec)
@@ -143,7 +164,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if tp is Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise ConfigError(f"config key '{key}' must be float, got an int too large for one") from None
     if tp is float and isinstance(value, str):  # YAML 1.1 reads "2e-4" (no dot) as a string
         try:
             return float(value)

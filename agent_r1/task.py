@@ -47,6 +47,8 @@ def load_task(name: str) -> Any:
     or a .py file. A name that resolves to nothing usable is a one-line ValueError."""
     target = f"agent_r1.tasks.{name}" if name in BUILTIN_TASKS else name
     module_name, _, attr = target.partition(":")
+    if not module_name or module_name.startswith("."):  # import_module raises TypeError on a relative name
+        raise _cannot_import(name, "not an absolute import path")
     if "" not in sys.path and os.getcwd() not in sys.path:  # `task=my_pkg.my_task` from the project root,
         sys.path.append(os.getcwd())  # as `python -m` would find it (the agent-r1 script does not add it)
     try:
@@ -55,10 +57,9 @@ def load_task(name: str) -> Any:
         missing = getattr(exc, "name", None)
         if missing and not module_name.startswith(missing) and not module_name.endswith(".py"):
             raise  # the task exists but imports something missing: show the real error
-        raise ValueError(
-            f"task {name!r} cannot be imported ({exc}); built-in tasks: {', '.join(BUILTIN_TASKS)}, "
-            "or give an import path such as my_pkg.my_task"
-        ) from None
+        raise _cannot_import(name, exc) from None
+    if attr and not hasattr(module, attr):
+        raise ValueError(f"task {name!r}: {module_name} has no attribute {attr!r}")
     task = getattr(module, attr) if attr else module
     missing = [a for a in REQUIRED if not hasattr(task, a)]
     if missing:
@@ -66,6 +67,13 @@ def load_task(name: str) -> Any:
     if not dataclasses.is_dataclass(task.Options):
         raise ValueError(f"task {name!r}: Options must be a dataclass")
     return task
+
+
+def _cannot_import(name: str, why: object) -> ValueError:
+    return ValueError(
+        f"task {name!r} cannot be imported ({why}); built-in tasks: {', '.join(BUILTIN_TASKS)}, "
+        "or give an import path such as my_pkg.my_task"
+    )
 
 
 def _load_file(path: Path) -> Any:

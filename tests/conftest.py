@@ -3,14 +3,30 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
+from hypothesis import settings
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from agent_r1.models import resolve_model_path
 from agent_r1.models.onednn import use_onednn
 from agent_r1.rollout.local_engine import LocalEngine
+
+# Property-based (fuzz) tests, the `*_fuzz.py` files. By default they run a fixed, derandomized set of
+# examples, so CI sees the same inputs every run and never flakes. `HYPOTHESIS_PROFILE=long` draws fresh
+# random inputs every run and 10x as many of them (~5 min), e.g. to fuzz for longer before a release:
+#   HYPOTHESIS_PROFILE=long .venv/bin/pytest tests -k fuzz --hypothesis-show-statistics
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
+settings.register_profile("long", derandomize=False, database=None, deadline=None, print_blob=True)
+HYPOTHESIS_PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(HYPOTHESIS_PROFILE)
+
+
+def examples(n: int) -> int:
+    """`max_examples` of a fuzz test: n by default, 10 * n under HYPOTHESIS_PROFILE=long."""
+    return n * (10 if HYPOTHESIS_PROFILE == "long" else 1)
 
 
 @pytest.fixture(scope="session")

@@ -41,6 +41,12 @@ def parse_tool_calls(text: str) -> list[ParsedCall | ParseError]:
         except json.JSONDecodeError as exc:
             calls.append(ParseError(f"tool call is not valid JSON ({exc.msg} at char {exc.pos})"))
             continue
+        except ValueError:  # a number of more than 4300 digits, which Python will not turn into an int
+            calls.append(ParseError("tool call is not valid JSON (a number has too many digits)"))
+            continue
+        except RecursionError:
+            calls.append(ParseError("tool call is not valid JSON (nested too deeply)"))
+            continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             calls.append(ParseError('tool call must be a JSON object like {"name": "...", "arguments": {...}}'))
             continue
@@ -49,14 +55,20 @@ def parse_tool_calls(text: str) -> list[ParsedCall | ParseError]:
 
 
 def format_tool_call(name: str, arguments: object) -> str:
-    """One call exactly as the model is taught to write it (demonstrations, chat history, the server)."""
-    payload = json.dumps({"name": name, "arguments": arguments})
+    """One call exactly as the model is taught to write it (demonstrations, chat history, the server).
+
+    `</` only occurs inside JSON strings; it is written `<\\/` (the same string to JSON), so a
+    `</tool_call>` in an argument cannot end the call early."""
+    payload = json.dumps({"name": name, "arguments": arguments}).replace("</", "<\\/")
     return f"{CALL_OPEN}\n{payload}\n{CALL_CLOSE}"
 
 
 def extract_answer(text: str) -> str | None:
     """The content of the last `<answer>...</answer>` tag, or None when there is none."""
-    found = _ANSWER.findall(text)
+    # Searching only up to the last closing tag keeps this linear: every `<answer>` left then has a
+    # closing after it, whereas each unclosed one would rescan the rest of the text.
+    end = text.rfind("</answer>")
+    found = _ANSWER.findall(text, 0, end + len("</answer>")) if end >= 0 else []
     return found[-1].strip() if found else None
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
-import functools
 import inspect
 import json
 import re
@@ -191,7 +190,7 @@ async def execute_tool_call(tools: Mapping[str, Tool], name: str, arguments: obj
 
     def fail(kind: str, message: str, args: dict[str, Any] | None = None) -> ToolCallResult:
         return ToolCallResult(
-            name=str(name),
+            name=_safe_str(name),
             arguments=args or {},
             output=f"Error: {message}",
             error=kind,
@@ -201,7 +200,7 @@ async def execute_tool_call(tools: Mapping[str, Tool], name: str, arguments: obj
     t = tools.get(name) if isinstance(name, str) else None
     if t is None:
         available = ", ".join(sorted(tools)) or "none"
-        return fail("unknown_tool", f"unknown tool {_cut(str(name))!r}. Available tools: {available}.")
+        return fail("unknown_tool", f"unknown tool {_cut(_safe_str(name))!r}. Available tools: {available}.")
 
     args, problem = _parse_arguments(t, arguments)
     if problem is not None:
@@ -212,12 +211,17 @@ async def execute_tool_call(tools: Mapping[str, Tool], name: str, arguments: obj
     except TimeoutError:
         return fail("timeout", f"tool {t.name} timed out after {t.timeout:g}s", args)
     if exc is not None:
-        return fail("exception", f"{t.name} raised {type(exc).__name__}: {_cut(str(exc))}", args)
+        return fail("exception", f"{t.name} raised {_cut(f'{type(exc).__name__}: {_safe_str(exc)}')}", args)
 
     reward = error = None
     if isinstance(value, ToolResult):
         value, reward, error = value.output, value.reward, value.error
-    output, truncated = _truncate(str(value), t.max_output_chars)
+    try:
+        text = str(value)
+    except Exception as e:  # a broken __str__, an int of more than 4300 digits
+        problem = _cut(f"{type(value).__name__} that str() cannot show ({type(e).__name__}: {_safe_str(e)})")
+        return fail("exception", f"{t.name} returned a {problem}", args)
+    output, truncated = _truncate(text, t.max_output_chars)
     return ToolCallResult(
         name=t.name,
         arguments=args,
@@ -236,9 +240,16 @@ def _parse_arguments(t: Tool, arguments: object) -> tuple[dict[str, Any], str | 
             arguments = json.loads(arguments)
         except json.JSONDecodeError as e:
             return {}, f"arguments are not valid JSON ({e.msg} at position {e.pos})"
+        except ValueError:  # a number of more than 4300 digits, which Python will not turn into an int
+            return {}, "arguments are not valid JSON (a number has too many digits)"
+        except RecursionError:
+            return {}, "arguments are not valid JSON (nested too deeply)"
     if not isinstance(arguments, dict):
         return {}, f"arguments must be a JSON object, got {type(arguments).__name__}"
-    error = jsonschema.exceptions.best_match(t._validator.iter_errors(arguments))
+    try:
+        error = jsonschema.exceptions.best_match(t._validator.iter_errors(arguments))
+    except Exception as e:  # jsonschema puts repr(value) in its messages, and some values cannot give one
+        return arguments, _cut(f"arguments cannot be checked against the schema ({type(e).__name__}: {_safe_str(e)})")
     if error is None:
         return arguments, None
     where = "/".join(str(p) for p in error.absolute_path)
@@ -256,10 +267,22 @@ async def _invoke(fn: Callable[..., Any], args: dict[str, Any]) -> tuple[Any, Ex
             value = await fn(**args)
         else:
             loop = asyncio.get_running_loop()
-            value = await loop.run_in_executor(_EXECUTOR, functools.partial(fn, **args))
+            # The exception comes back as a value: a StopIteration cannot be set on an asyncio future (the
+            # call would never finish and be reported as a timeout).
+            value, exc = await loop.run_in_executor(_EXECUTOR, _call, fn, args)
+            if exc is not None:
+                return None, exc
         if inspect.isawaitable(value):  # a sync callable that hands back a coroutine
             value = await value
         return value, None
+    except Exception as e:
+        return None, e
+
+
+def _call(fn: Callable[..., Any], args: dict[str, Any]) -> tuple[Any, Exception | None]:
+    """`fn(**args)` in a worker thread, as (value, None) or (None, exception)."""
+    try:
+        return fn(**args), None
     except Exception as e:
         return None, e
 
@@ -269,6 +292,14 @@ def _truncate(text: str, max_chars: int) -> tuple[str, bool]:
     if len(text) <= max_chars:
         return text, False
     return f"{text[:max_chars]}\n...[truncated {len(text) - max_chars} chars]", True
+
+
+def _safe_str(obj: object) -> str:
+    """`str(obj)`, or a placeholder when that raises (a broken `__str__`, an int of more than 4300 digits)."""
+    try:
+        return str(obj)
+    except Exception as e:
+        return f"<str() failed: {type(e).__name__}>"
 
 
 def _one_line(text: str) -> str:
