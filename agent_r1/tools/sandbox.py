@@ -178,10 +178,11 @@ class PythonSandbox:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        # The group holds the process itself (its own session). No `proc.kill()` after this: Popen polls
+        # before it signals, and that poll would reap the child under asyncio's watcher, which then logs
+        # "Unknown child process" and reports exit code 255.
         with contextlib.suppress(ProcessLookupError):
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()
         if self._cgroup is not None:
             await self._cgroup.remove()
@@ -190,8 +191,10 @@ class PythonSandbox:
     async def _death_message(self) -> str:
         """Why the interpreter ended without answering: a signal (a hard limit) or its own error output."""
         proc = self._proc
-        await self._kill()
         assert proc is not None
+        with contextlib.suppress(TimeoutError):  # let it finish exiting: its own exit code, not our SIGKILL
+            await asyncio.wait_for(proc.wait(), 2)
+        await self._kill()
         stderr = (await proc.stderr.read(2000)).decode(errors="replace").strip() if proc.stderr else ""
         code = proc.returncode
         # a signal ends the process directly (-N), or bwrap's inner process, which bwrap reports as 128 + N
@@ -200,7 +203,7 @@ class PythonSandbox:
             signum = code - 128
         if signum is not None:
             name = signal.Signals(signum).name
-            why = {"SIGKILL": "killed (a hard limit: CPU time or memory)", "SIGXCPU": "the CPU time limit"}
+            why = {"SIGKILL": "killed (by the code itself, or a hard limit)", "SIGXCPU": "the CPU time limit"}
             return f"the interpreter was stopped by {name}: {why.get(name, 'a signal')}"
         return f"the interpreter exited with code {code}" + (f": {stderr.splitlines()[-1]}" if stderr else "")
 
