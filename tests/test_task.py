@@ -104,3 +104,39 @@ def test_a_task_import_path_resolves_from_the_working_directory():
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-I", "-c", code], cwd=root, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "0.4"
+
+
+def test_the_mcp_example_offers_a_real_servers_tools_and_evaluates_through_the_cli(tmp_path, tokenizer, tiny_model_dir):
+    """examples/mcp_task.py: any MCP server's tools (here the SDK-built test server over stdio) next to the
+    python sandbox, from the command line; an episode that uses them earns the reward."""
+    import sys
+
+    from agent_r1.env.prompt_format import ChatFormat
+    from agent_r1.rollout.agent_loop import AgentEnvLoop
+    from agent_r1.rollout.engine import SamplingParams
+    from tests.rollout.test_agent_loop import ScriptedEngine
+
+    data = tmp_path / "qa.jsonl"
+    data.write_text(
+        '{"question": "What is 20 + 22?", "answer": 42}\n{"question": "Capital of France?", "answer": "Paris"}\n'
+    )
+    server = f"{sys.executable} {Path(__file__).parent / 'tools' / 'mcp_server.py'} stdio"
+    options = [f"task.server={server}", f"task.data={data}"]
+    spec = load_config(EvalConfig, None, ["task=examples/mcp_task.py", *options]).task
+    module = spec.module
+    env = module.make_env(spec.options, ChatFormat(tokenizer))
+    assert {"add", "pid", "python"} <= set(env.tools) and '"name": "add"' in env.system
+
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 20, "b": 22}}\n</tool_call>'
+    engine = ScriptedEngine(tokenizer, [call, "<answer>42</answer>"])
+    loop = AgentEnvLoop(engine, lambda: module.make_env(spec.options, ChatFormat(tokenizer)), SamplingParams())
+    (traj,) = loop.run_sync(spec.tasks("test", 1))
+    assert traj.reward == 1.0 and traj.steps[0].info["tool_results"][0]["output"] == "42"
+    assert module.reward({"answer": "Paris"}, "<answer>paris</answer>") == 1.0
+
+    out = tmp_path / "eval.jsonl"
+    args = ["eval", f"model={tiny_model_dir}", "task=examples/mcp_task.py", *options, "num_tasks=2",
+            "max_new_tokens=4", f"out={out}"]  # fmt: skip
+    assert main(args) == 0 and len(out.read_text().splitlines()) == 2
+    with pytest.raises(ConfigError, match=r"exactly one of task\.server"):
+        load_config(EvalConfig, None, ["task=examples/mcp_task.py", f"task.data={data}"])
