@@ -108,6 +108,8 @@ class PythonSandbox:
     ) -> None:
         self.limits = limits or SandboxLimits()
         self.isolation = resolve_isolation(isolation)
+        if (problem := process_limit_problem()) is not None:
+            _warn_once(f"python sandbox without a process limit: {problem}; a fork bomb is not contained")
         self.persistent = persistent
         self.scratch: Path | None = None
         self._proc: asyncio.subprocess.Process | None = None
@@ -296,6 +298,18 @@ class PidsCgroup:
                 await asyncio.sleep(0.02)
 
 
+@functools.cache
+def process_limit_problem() -> str | None:
+    """None when a sandbox's processes are capped here, else why not (then a fork bomb is not contained)."""
+    if os.geteuid() != 0:
+        return None  # RLIMIT_NPROC binds
+    probe = PidsCgroup.create(1)
+    if probe is None:
+        return "running as root (exempt from RLIMIT_NPROC) without a writable cgroup-v1 pids hierarchy"
+    probe.path.rmdir()
+    return None
+
+
 def _read(path: str) -> list[str]:
     try:
         return Path(path).read_text().splitlines()
@@ -314,7 +328,10 @@ def resolve_isolation(isolation: Isolation) -> Literal["bwrap", "none"]:
         return "bwrap"
     if isolation == "bwrap":
         raise RuntimeError(f"sandbox isolation=bwrap is not available here: {problem}")
-    _warn_once(problem)
+    _warn_once(
+        f"python sandbox without isolation: {problem}. Model code runs with resource limits only: "
+        "it can reach the network and write wherever this user can."
+    )
     return "none"
 
 
@@ -338,9 +355,5 @@ def bwrap_problem() -> str | None:
 
 
 @functools.cache
-def _warn_once(problem: str) -> None:
-    warnings.warn(
-        f"python sandbox without isolation: {problem}. Model code runs with resource limits only: "
-        "it can reach the network and write wherever this user can.",
-        stacklevel=3,
-    )
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=3)

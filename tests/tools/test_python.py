@@ -13,7 +13,7 @@ from agent_r1.rollout.agent_loop import AgentEnvLoop
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.tools import execute_tool_call, python_tool
 from agent_r1.tools.python import observation
-from agent_r1.tools.sandbox import CellResult, SandboxLimits
+from agent_r1.tools.sandbox import CellResult, SandboxLimits, process_limit_problem
 from agent_r1.types import Termination
 from tests.rollout.test_agent_loop import ScriptedEngine
 
@@ -21,10 +21,12 @@ LIMITS = SandboxLimits(wall_seconds=3, cpu_seconds=1, memory_mb=512)
 ATTACKS = {  # code -> the error kind it must be counted as
     "while True:\n    pass": "cpu_limit",
     "import time\ntime.sleep(30)": "timeout",
-    "import os\nwhile True:\n    os.fork()": "exception",
+    "import os\nwhile True:\n    os.fork()": "exception",  # dropped below where processes are not capped
     "x = bytearray(10 * 1024**3)": "memory_limit",
     "while True:\n    print('z' * 4096)": "output_limit",
 }
+if process_limit_problem() is not None:
+    del ATTACKS["import os\nwhile True:\n    os.fork()"]
 
 
 def call(code: str) -> str:
@@ -51,10 +53,10 @@ def test_an_episode_survives_every_attack_and_counts_each(tokenizer):
     for kind in set(ATTACKS.values()):
         assert traj.metrics[f"tool_errors/{kind}"] == 1.0
     assert traj.metrics["tool_errors"] == len(ATTACKS)
-    observations = [r["output"] for r in results]
-    assert "CPU time limit" in observations[0] and "3 s limit" in observations[1]
-    assert "BlockingIOError" in observations[2] and "MemoryError" in observations[3]
-    assert "output limit reached" in observations[4] and "bytes printed in all" in observations[4]
+    seen = {r["error"]: r["output"] for r in results}
+    assert "CPU time limit" in seen["cpu_limit"] and "3 s limit" in seen["timeout"]
+    assert "MemoryError" in seen["memory_limit"] and "bytes printed in all" in seen["output_limit"]
+    assert "BlockingIOError" in seen.get("exception", "BlockingIOError")  # the fork bomb, where it ran
     assert not psutil.Process().children(recursive=True)  # the env was closed: no interpreter left
 
 

@@ -18,7 +18,13 @@ import psutil
 import pytest
 
 from agent_r1.tools import sandbox as sandbox_mod
-from agent_r1.tools.sandbox import PythonSandbox, SandboxLimits, bwrap_problem, resolve_isolation
+from agent_r1.tools.sandbox import (
+    PythonSandbox,
+    SandboxLimits,
+    bwrap_problem,
+    process_limit_problem,
+    resolve_isolation,
+)
 
 needs_bwrap = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap sandbox: {bwrap_problem()}")
 ISOLATIONS = [pytest.param("bwrap", marks=needs_bwrap), "none"]
@@ -79,6 +85,7 @@ async def test_a_sleep_past_the_wall_clock_is_killed_and_the_next_call_restarts(
     assert r.kind == "exception" and "NameError" in r.error  # a fresh interpreter
 
 
+@pytest.mark.skipif(process_limit_problem() is not None, reason=f"no process limit: {process_limit_problem()}")
 async def test_a_fork_bomb_is_contained(box):
     r = await box.run("import os\nwhile True:\n    os.fork()")
     assert r.kind == "exception" and "BlockingIOError" in r.error  # the process limit stopped it
@@ -184,3 +191,9 @@ def test_limits_and_isolation_are_checked(monkeypatch):
         resolve_isolation("bwrap")
     with pytest.warns(UserWarning, match="without isolation"):
         assert resolve_isolation("auto") == "none"
+
+
+def test_a_machine_that_cannot_cap_processes_is_warned_about(monkeypatch):
+    monkeypatch.setattr(sandbox_mod, "process_limit_problem", lambda: "running as root without a pids cgroup")
+    with pytest.warns(UserWarning, match="without a process limit: running as root without a pids cgroup"):
+        PythonSandbox(isolation="none")
