@@ -140,3 +140,6 @@ def test_the_mcp_example_offers_a_real_servers_tools_and_evaluates_through_the_c
     assert main(args) == 0 and len(out.read_text().splitlines()) == 2
     with pytest.raises(ConfigError, match=r"exactly one of task\.server"):
         load_config(EvalConfig, None, ["task=examples/mcp_task.py", f"task.data={data}"])
+    for server in module._SERVERS.values():  # the server process would otherwise live as long as pytest
+        server.close()
+    module._SERVERS.clear()

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 
-import psutil
-
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.env.tool_env import ToolEnv
 from agent_r1.rollout.agent_loop import AgentEnvLoop
@@ -16,6 +14,7 @@ from agent_r1.tools.python import observation
 from agent_r1.tools.sandbox import CellResult, SandboxLimits, process_limit_problem
 from agent_r1.types import Termination
 from tests.rollout.test_agent_loop import ScriptedEngine
+from tests.tools.test_sandbox import sandbox_processes
 
 LIMITS = SandboxLimits(wall_seconds=3, cpu_seconds=1, memory_mb=512)
 ATTACKS = {  # code -> the error kind it must be counted as
@@ -57,7 +56,7 @@ def test_an_episode_survives_every_attack_and_counts_each(tokenizer):
     assert "CPU time limit" in seen["cpu_limit"] and "3 s limit" in seen["timeout"]
     assert "MemoryError" in seen["memory_limit"] and "bytes printed in all" in seen["output_limit"]
     assert "BlockingIOError" in seen.get("exception", "BlockingIOError")  # the fork bomb, where it ran
-    assert not psutil.Process().children(recursive=True)  # the env was closed: no interpreter left
+    assert not sandbox_processes()  # the env was closed: no interpreter left
 
 
 async def test_bad_arguments_are_the_usual_invalid_arguments_error():

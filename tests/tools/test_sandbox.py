@@ -39,8 +39,17 @@ async def box(request):
 
 
 def sandbox_processes() -> list[psutil.Process]:
-    """This test process's descendants: a contained attack leaves none behind once the sandbox closes."""
-    return psutil.Process().children(recursive=True)
+    """This test process's sandbox descendants (bwrap, the runner and whatever they started): a contained
+    attack leaves none behind once the sandbox closes. Other tests' children (servers) do not count."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            command = " ".join(child.cmdline())
+        except psutil.Error:  # gone meanwhile
+            continue
+        if "CPULimitExceeded" in command or command.startswith("bwrap"):
+            found.append(child)
+    return found
 
 
 async def test_state_persists_and_the_last_expression_is_shown(box):
