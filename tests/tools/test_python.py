@@ -4,6 +4,8 @@ the episode goes on to its answer, and the sandbox is gone when the episode ends
 from __future__ import annotations
 
 import json
+from collections import Counter
+from pathlib import Path
 
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.env.tool_env import ToolEnv
@@ -11,21 +13,23 @@ from agent_r1.rollout.agent_loop import AgentEnvLoop
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.tools import execute_tool_call, python_tool
 from agent_r1.tools.python import observation
-from agent_r1.tools.sandbox import CellResult, SandboxLimits, process_limit_problem
+from agent_r1.tools.sandbox import CellResult, SandboxLimits, bwrap_problem, process_limit_problem
 from agent_r1.types import Termination
 from tests.rollout.test_agent_loop import ScriptedEngine
 from tests.tools.test_sandbox import sandbox_processes
 
 LIMITS = SandboxLimits(wall_seconds=3, cpu_seconds=1, memory_mb=512)
-ATTACKS = {  # code -> the error kind it must be counted as
-    "while True:\n    pass": "cpu_limit",
-    "import time\ntime.sleep(30)": "timeout",
-    "import os\nwhile True:\n    os.fork()": "exception",  # dropped below where processes are not capped
-    "x = bytearray(10 * 1024**3)": "memory_limit",
-    "while True:\n    print('z' * 4096)": "output_limit",
-}
-if process_limit_problem() is not None:
-    del ATTACKS["import os\nwhile True:\n    os.fork()"]
+ATTACKS = [  # (code, the error kind it must be counted as, what the model must read)
+    ("while True:\n    pass", "cpu_limit", "CPU time limit"),
+    ("import time\ntime.sleep(30)", "timeout", "3 s limit"),
+    ("x = bytearray(10 * 1024**3)", "memory_limit", "MemoryError"),
+    ("while True:\n    print('z' * 4096)", "output_limit", "bytes printed in all"),
+]
+if process_limit_problem() is None:  # where processes cannot be capped, no fork bomb is run
+    ATTACKS.append(("import os\nwhile True:\n    os.fork()", "exception", "BlockingIOError"))
+if bwrap_problem() is None:  # isolation: the attempt fails inside the code, an `exception` the model reads
+    ATTACKS.append(("open('/var/tmp/agent-r1-escape', 'w')", "exception", "Read-only file system"))
+    ATTACKS.append(("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)", "exception", "unreachable"))
 
 
 def call(code: str) -> str:
@@ -38,24 +42,23 @@ def test_an_episode_survives_every_attack_and_counts_each(tokenizer):
     def make_env():
         tools.append(python_tool(LIMITS))
         return ToolEnv(
-            {"python": tools[-1]}, ChatFormat(tokenizer), lambda task, text: float("42" in text), max_turns=8
+            {"python": tools[-1]}, ChatFormat(tokenizer), lambda task, text: float("42" in text), max_turns=10
         )
 
-    script = [call(code) for code in ATTACKS] + [call("print(6 * 7)"), "<answer>42</answer>"]
+    script = [call(code) for code, _, _ in ATTACKS] + [call("print(6 * 7)"), "<answer>42</answer>"]
     loop = AgentEnvLoop(ScriptedEngine(tokenizer, script), make_env, SamplingParams())
     (traj,) = loop.run_sync([{"question": "what is 6 * 7?"}])
 
     assert traj.termination == Termination.ANSWERED and traj.reward == 1.0 and traj.error is None
     results = [s.info["tool_results"][0] for s in traj.steps[:-1]]
-    assert [r["error"] for r in results] == [*ATTACKS.values(), None]
+    assert [r["error"] for r in results] == [kind for _, kind, _ in ATTACKS] + [None]
+    for (code, _, shown), result in zip(ATTACKS, results[:-1], strict=True):
+        assert shown in result["output"], (code, result["output"])
     assert results[-1]["output"] == "42"
-    for kind in set(ATTACKS.values()):
-        assert traj.metrics[f"tool_errors/{kind}"] == 1.0
+    for kind, n in Counter(kind for _, kind, _ in ATTACKS).items():
+        assert traj.metrics[f"tool_errors/{kind}"] == n
     assert traj.metrics["tool_errors"] == len(ATTACKS)
-    seen = {r["error"]: r["output"] for r in results}
-    assert "CPU time limit" in seen["cpu_limit"] and "3 s limit" in seen["timeout"]
-    assert "MemoryError" in seen["memory_limit"] and "bytes printed in all" in seen["output_limit"]
-    assert "BlockingIOError" in seen.get("exception", "BlockingIOError")  # the fork bomb, where it ran
+    assert not Path("/var/tmp/agent-r1-escape").exists()
     assert not sandbox_processes()  # the env was closed: no interpreter left
 
 
