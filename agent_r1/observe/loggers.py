@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from agent_r1.utils.jsonl import append_jsonl
+from agent_r1.utils.paths import write_text_atomic
 
 
 @dataclass
@@ -54,9 +54,7 @@ class JsonlLogger:
         lines = [x for x in self.path.read_text().splitlines() if x.strip()]
         kept = [x for x in lines if _step_of(x) <= step]  # a line cut by the kill has no step: dropped
         if len(kept) != len(lines):
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
-            tmp.write_text("".join(x + "\n" for x in kept))
-            os.replace(tmp, self.path)
+            write_text_atomic(self.path, "".join(x + "\n" for x in kept))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         append_jsonl(self.path, {"step": step, **metrics})

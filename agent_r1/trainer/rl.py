@@ -74,6 +74,7 @@ from agent_r1.trainer.rows import (
 from agent_r1.trainer.update import policy_update
 from agent_r1.trainer.validation import make_validator
 from agent_r1.types import Termination, Trajectory
+from agent_r1.utils.paths import write_text_atomic
 from agent_r1.utils.progress import progress_bar
 
 RESUMABLE_CHANGES = ("steps", "resume", "save_every", "keep_last", "run_dir", "log", "health", "device")
@@ -153,7 +154,7 @@ def train(
             validator.restore(meta.get("best"))
         console.print(f"resumed from {meta['path']} (step {start})")
     if dist.main:
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        write_text_atomic(run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
         loggers = Loggers(cfg.log, run_dir, to_dict(cfg), keep_until=start if start else -1)
     health = HealthMonitor(cfg.health, console)
     if dist.main and start and (run_dir / "metrics.jsonl").is_file():

@@ -32,6 +32,7 @@ from agent_r1.trainer.common import adamw, lr_schedule
 from agent_r1.trainer.export import policy_info
 from agent_r1.types import Message, Step, TrainSequence, Trajectory
 from agent_r1.utils.jsonl import append_jsonl
+from agent_r1.utils.paths import write_text_atomic
 from agent_r1.utils.progress import progress_bar
 
 
@@ -105,7 +106,7 @@ def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any 
     console = console or Console()
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    write_text_atomic(run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
     torch.manual_seed(cfg.seed)
     chat_hint = cfg.model if model is None else None
     if model is None:
