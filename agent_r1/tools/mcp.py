@@ -67,7 +67,6 @@ class MCPServer:
         self._connecting: asyncio.Future | None = None
         self._tools: dict[str, Tool] | None = None
         self._lock = threading.Lock()
-        self.reconnects = 0
 
     def tools(self) -> dict[str, Tool]:
         """The server's tools by (prefixed) name; connects on the first call, then cached."""
@@ -148,7 +147,6 @@ class MCPServer:
         """One tool call on the background loop; a dead connection is reported, then reopened next time."""
         try:
             if self._client is None:
-                self.reconnects += 1
                 await asyncio.wait_for(self._connect(), self.connect_timeout)
             result = await self._client.call_tool(name, arguments, read_timeout_seconds=self.timeout + 5)
         except (asyncio.CancelledError, KeyboardInterrupt):

@@ -14,10 +14,8 @@ from __future__ import annotations
 from agent_r1.tools.base import Tool, ToolResult
 from agent_r1.tools.sandbox import CellResult, Isolation, PythonSandbox, SandboxLimits
 
-DESCRIPTION = (
-    "Run Python code and return what it prints (stdout and stderr) and the value of its last expression. "
-    "No network; write files only in the working directory."
-)
+DESCRIPTION = "Run Python code and return what it prints (stdout and stderr) and the value of its last expression."
+ISOLATED = "No network; write files only in the working directory."  # true only under bubblewrap
 _MAX_ERROR_CHARS = 2000  # the end of a traceback is the informative part
 
 
@@ -42,7 +40,7 @@ def python_tool(
 
     return Tool(
         name=name,
-        description=f"{DESCRIPTION} {state}",
+        description=" ".join([DESCRIPTION, *([ISOLATED] if sandbox.isolation == "bwrap" else []), state]),
         parameters={
             "type": "object",
             "properties": {"code": {"type": "string", "description": "the Python code to run"}},

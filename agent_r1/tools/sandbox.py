@@ -87,12 +87,9 @@ class CellResult:
 
     output: str  # printed output (stdout and stderr interleaved), cut to max_output_chars
     size: int  # bytes printed in all
-    kind: str | None  # None, or one of FAILURE_KINDS
+    kind: str | None  # None, exception, timeout, cpu_limit, memory_limit, output_limit or killed
     error: str | None  # traceback or the limit that stopped the code
     seconds: float
-
-
-FAILURE_KINDS = ("exception", "timeout", "cpu_limit", "memory_limit", "output_limit", "killed")
 
 
 class PythonSandbox:
@@ -130,7 +127,7 @@ class PythonSandbox:
             await self._kill()
             message = f"timed out: the code ran past the {self.limits.wall_seconds:g} s limit and was stopped"
             return CellResult("", 0, "timeout", message, time.perf_counter() - start)
-        except (ConnectionError, OSError, ValueError):  # died before reading (ValueError: line over the limit)
+        except (OSError, ValueError):  # died before reading (ValueError: line over the limit)
             line = b""
         except BaseException:  # cancelled by the caller's deadline: never leave a process behind
             await self._kill()

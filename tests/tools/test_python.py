@@ -77,3 +77,9 @@ def test_observations_say_what_was_cut_and_what_was_lost():
     assert observation(CellResult("", 0, None, None, 0.1)).startswith("(no output")
     lost = observation(CellResult("", 0, "timeout", "timed out", 2.0), restarted=True)
     assert lost.startswith("Error: timed out") and "variables from earlier calls are gone" in lost
+
+
+def test_the_model_is_told_of_no_network_only_where_that_holds():
+    assert "No network" not in python_tool(LIMITS, isolation="none").description
+    if bwrap_problem() is None:
+        assert "No network" in python_tool(LIMITS, isolation="bwrap").description
