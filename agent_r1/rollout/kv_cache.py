@@ -1,77 +1,126 @@
-"""A decoding KV cache that writes each token in place instead of copying itself every step.
+"""The local engine's KV memory: one slot (a row of a preallocated buffer) per sequence.
 
-transformers' `DynamicCache` appends every new token with `torch.cat`, which copies the whole cache:
-O(T^2) bytes over a response. After a 265-token agent prompt, 16 rows x 64 tokens copy ~15 GB, which
-was 41% of the decode time (docs/benchmarks.md). `BufferedCache` keeps each layer in a buffer with
-room for `capacity` positions and returns views of its filled part, so a step writes only its own
-keys and values. The attention sees the same tensors, so the logits are bitwise those of
-`DynamicCache`.
+Continuous batching needs sequences of different lengths to join and leave a running batch at any
+decode step, and a multi-turn agent needs a trajectory's keys and values to outlive its turn. Both are
+easy when every sequence owns a slot: its keys and values sit in columns 0..n-1 of its own row of one
+`[layers, 2, slots, kv_heads, capacity, head_dim]` buffer, so the key of position p is always at column
+p. A decode step writes each row's new token at that row's own column (not at a shared "end" as in a
+left-padded batch), and a 4D attention mask says which columns each row may see. Nothing is ever
+left-padded, so rows of any length decode together and a row can be dropped or added by moving one
+slot, not by re-aligning the batch. (vLLM gets the same freedom from paged attention; a slot is one
+page as long as the sequence, which is what plain PyTorch attention can read as a strided view.)
 
-The views are overwritten in place by later steps, so this cache is for inference only (the trainer's
-shared-prefix forward keeps `DynamicCache`, which autograd can differentiate through).
+The buffer is zero-initialised and only ever holds finite values, so masked columns cannot turn an
+attention score into NaN, whichever SDPA kernel adds the mask.
+
+`SlotCache` speaks transformers' `Cache` interface: before each forward pass the engine says which
+slots the batch occupies (`rows`), where each new token's key goes (`cols`) and how many columns the
+attention reads (`width`); each layer's `update` writes there and returns views of those rows.
+Inference only: the views are overwritten in place by later steps.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 
-class _BufferedLayer(DynamicLayer):
-    """One layer's keys and values in [B, H, capacity, D] buffers; `keys`/`values` view the filled part."""
+class SlotCache(Cache):
+    """KV memory for up to `slots` sequences of up to `capacity` tokens each, grown on demand."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, device: torch.device | str) -> None:
+        super().__init__(layers=[_SlotLayer(self, i) for i in range(num_layers)])
+        self.kv_heads, self.head_dim, self.device = kv_heads, head_dim, torch.device(device)
+        self.buf: torch.Tensor | None = None  # [layers, 2, slots, kv_heads, capacity, head_dim]
+        self.dtype: torch.dtype | None = None  # that of the keys the model computes (set by the first forward)
+        # set by the engine before each forward pass:
+        self.first = 0  # the batch's rows are slots first .. first+b-1
+        self.cols: torch.Tensor | None = None  # [b, q] the column each new token's key and value go to
+        self.width = 0  # columns the attention reads, the same for every row (the mask hides the rest)
+
+    @property
+    def slots(self) -> int:
+        return 0 if self.buf is None else self.buf.shape[2]
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.buf is None else self.buf.shape[4]
+
+    def bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes one token's keys and values take over all layers."""
+        item = torch.empty((), dtype=dtype or self.dtype or torch.float32).element_size()
+        return len(self.layers) * 2 * self.kv_heads * self.head_dim * item
+
+    def reserve(self, slots: int, capacity: int, dtype: torch.dtype | None = None) -> None:
+        """Room for at least `slots` sequences of `capacity` tokens; growing copies what is held."""
+        dtype = dtype or self.dtype or torch.float32
+        if self.buf is not None and slots <= self.slots and capacity <= self.capacity and dtype == self.dtype:
+            return
+        new = torch.zeros(
+            (len(self.layers), 2, max(slots, self.slots), self.kv_heads, max(capacity, self.capacity), self.head_dim),
+            dtype=dtype,
+            device=self.device,
+        )
+        if self.buf is not None:
+            new[:, :, : self.slots, :, : self.capacity] = self.buf
+        self.buf, self.dtype = new, dtype
+
+    def release(self) -> None:
+        """Free the buffer (the next `reserve` allocates a new one)."""
+        self.buf = None
+
+    def move(self, src: int, dst: int, n: int) -> None:
+        """Copy the first `n` columns of slot `src` to slot `dst`."""
+        if n and src != dst:
+            self.buf[:, :, dst, :, :n] = self.buf[:, :, src, :, :n]
+
+    def swap(self, a: int, b: int, n_a: int, n_b: int) -> None:
+        """Exchange slots `a` and `b`, which hold `n_a` and `n_b` columns."""
+        if a == b:
+            return
+        held = self.buf[:, :, a, :, :n_a].clone()
+        self.move(b, a, n_b)
+        self.buf[:, :, b, :, :n_a] = held
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.width
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+class _SlotLayer(CacheLayerMixin):
+    """One layer's view of the `SlotCache` buffer."""
+
+    def __init__(self, cache: SlotCache, index: int) -> None:
         super().__init__()
-        self.capacity = capacity
-        self._k: torch.Tensor | None = None  # [B, H, capacity, D]
-        self._v: torch.Tensor | None = None
+        self.cache, self.index = cache, index
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        n, t = self.get_seq_length(), key_states.shape[-2]
-        if self._k is None:  # the first write gives the shapes
-            shape = (*key_states.shape[:2], max(t, self.capacity), key_states.shape[-1])
-            self._k, self._v = key_states.new_empty(shape), value_states.new_empty(shape)
-        elif n + t > self._k.shape[-2]:  # longer than the capacity hint: grow (correct, just slower)
-            self._k, self._v = _grown(self._k, n, n + t), _grown(self._v, n, n + t)
-        self._k[:, :, n : n + t] = key_states
-        self._v[:, :, n : n + t] = value_states
-        self.keys, self.values = self._k[:, :, : n + t], self._v[:, :, : n + t]
+        """Write the batch's new keys and values ([b, H, q, D]) at their columns; return the rows'
+        first `width` columns ([b, H, width, D] views)."""
+        c = self.cache
+        if c.buf is None or key_states.dtype != c.dtype:  # autocast decides the dtype of the keys
+            c.reserve(c.slots, c.capacity, key_states.dtype)
+        b, q = key_states.shape[0], key_states.shape[2]
+        rows = torch.arange(c.first, c.first + b, device=c.cols.device)[:, None].expand(b, q)  # [b, q]
+        layer = c.buf[self.index]  # [2, slots, H, capacity, D]
+        layer[0][rows, :, c.cols] = key_states.transpose(1, 2)  # [b, q, H, D]
+        layer[1][rows, :, c.cols] = value_states.transpose(1, 2)
+        span = slice(c.first, c.first + b)
+        self.keys, self.values = layer[0, span, :, : c.width], layer[1, span, :, : c.width]
         return self.keys, self.values
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        """Copy every row `repeats` times (a shared prefix prefilled once, then one copy per row)."""
-        n = self.get_seq_length()
-        if n == 0:
-            return
-        self._k = self._k.repeat_interleave(repeats, dim=0)
-        self._v = self._v.repeat_interleave(repeats, dim=0)
-        self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
+    def get_seq_length(self) -> int:
+        return self.cache.width
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep the rows in `indices`, in that order; repeats copy a row (finished rows leave the
-        batch, and a distinct prompt's cache is copied to every row that samples from it)."""
-        n = self.get_seq_length()
-        if n == 0:
-            return
-        self._k, self._v = self._k[indices], self._v[indices]
-        self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.width, 0
 
-
-def _grown(buffer: torch.Tensor, filled: int, need: int) -> torch.Tensor:
-    """A buffer with room for at least `need` positions (doubling), holding the first `filled`."""
-    B, H, cap, D = buffer.shape
-    out = buffer.new_empty((B, H, max(need, 2 * cap), D))
-    out[:, :, :filled] = buffer[:, :, :filled]
-    return out
-
-
-class BufferedCache(DynamicCache):
-    """`DynamicCache` with in-place appends; `capacity` = the longest sequence it will hold."""
-
-    def __init__(self, capacity: int) -> None:
-        Cache.__init__(self, layer_class_to_replicate=functools.partial(_BufferedLayer, capacity))
+    def get_max_length(self) -> int:
+        return -1

@@ -1,56 +1,90 @@
-"""`LocalEngine`: generation with a torch model in this process, sharing weights with the trainer.
+"""`LocalEngine`: continuous batching with a torch model in this process, sharing weights with the trainer.
 
-Concurrent `generate` calls (one per trajectory in the agent loop) are queued and decoded together
-as one left-padded batch with a KV cache, so a turn of N×G trajectories costs one batched decode, not
-N×G. The prefill runs each distinct prompt once (a GRPO group's G copies share one) and the prefix
-common to all prompts once (the system prompt and tool schemas). Finished rows are dropped from the
-batch and its cache as soon as they stop, so a batch costs what its still-running rows need.
-Decoding runs in a worker thread, which lets the event loop keep running tool calls while the model
-decodes.
+Every `generate` call (one per trajectory turn in the agent loop, one per request in `agent-r1 serve`)
+becomes sequences that join the running decode batch at the next step and leave it the step they
+finish: iteration-level scheduling (Orca, Yu et al., OSDI 2022; vLLM). Nobody waits for a batch to
+drain, and a short answer stops costing decode steps at once.
 
-Each row samples from its own seeded generator, so a request's tokens do not depend on which other
-requests happened to share its batch (up to fp32 rounding differences between batch shapes).
+Each sequence owns a slot of a `SlotCache` (its keys at columns 0..n-1), so sequences of any length
+decode together without padding. When a sequence finishes, its slot is *parked* with the tokens it
+holds, indexed by block hashes of those tokens. A later prompt that starts with a parked sequence's
+tokens - the next turn of the same trajectory, whose prompt is the previous prompt, the sampled
+response and the tool result, token for token - takes the slot over and prefills only what the
+environment added. This is vLLM's automatic prefix caching and SGLang's RadixAttention (Zheng et al.,
+2024) on a slot per sequence. A prompt that only shares a beginning with a parked one (the system
+prompt and tool schemas) copies that part of the keys; a context the environment rewrote matches
+less, and whatever does not match is prefilled, so it can never be wrong, only slower. Parked slots are
+evicted least-recently-used when memory (`kv_cache_gb`) or slots run out, and all of them are
+dropped when the weights change (`sync_weights`, `load_weights`) or the trainer puts the engine to
+`sleep` for its update. Prompts admitted together that share a beginning of at least
+`min_shared_prefix` tokens have it prefilled once, and a GRPO group's identical prompts are
+prefilled once and copied.
 
-Serving needs two more things from the decode loop, and gets them without a second code path:
-`generate(..., on_token=...)` reports every sampled token as it is decoded (for streaming), and a
-caller that is cancelled (a client that disconnected, a request that timed out) has its row dropped
-from the batch at the next token instead of decoding to the end for nobody.
+Each row samples from its own seeded generator with its own sampling parameters, so a request's
+tokens do not depend on which other requests share its batch (up to fp32 rounding differences
+between batch shapes). `generate(..., on_token=...)` reports every sampled token as it is decoded
+(for streaming), and a caller that is cancelled (a client that disconnected, a request that timed out)
+has its row and slot freed at the next step.
 
-Weights change only between batches (`load_weights` and `generate_batch` share a lock), so every
-response is sampled from one version of the weights and no decode step sees half of an update.
+The decode loop runs in a worker thread, which lets the event loop run tool calls while the model
+decodes. Weights change only when no sequence is running: `load_weights` stops admitting new
+sequences, waits for the running ones to finish, then copies, so every response is sampled from one
+version of the weights.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import random
 import threading
+import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from agent_r1.models.precision import autocast, model_device
 from agent_r1.rollout.engine import GenerateOutput, SamplingParams, alias_key, full_state_dict
-from agent_r1.rollout.kv_cache import BufferedCache
+from agent_r1.rollout.kv_cache import SlotCache
 
 TokenCallback = Callable[[int, int, float], None]  # (index of the prompt in its call, token id, log-prob)
-RowHook = Callable[[int, int, float], bool]  # (batch row, token id, log-prob) -> keep decoding this row
+RowHook = Callable[[int, int, float], bool]  # (index of the prompt, token id, log-prob) -> keep decoding it
+BLOCK = 16  # parked tokens are indexed every BLOCK tokens (shorter matches are not looked up)
+COLUMN_STEP = 256  # slot capacity grows in steps of this many tokens
 
 
-@dataclass
-class _Request:
+@dataclass(eq=False)
+class _Seq:
+    """One prompt being answered: what it asked for, what it sampled, where its keys are."""
+
     prompt: list[int]
-    seed: int
-    future: asyncio.Future
-    on_token: Callable[[int, float], None] | None = None  # runs on the caller's event loop
+    params: SamplingParams
+    gen: torch.Generator
+    budget: int  # tokens it may sample (max_new_tokens, cut to the context)
+    emit: Callable[[int, float], bool]  # every sampled token; False aborts the row
+    done: Callable[[GenerateOutput | BaseException], None]
+    cancelled: Callable[[], bool]
+    out_ids: list[int] = field(default_factory=list)
+    out_lp: list[float] = field(default_factory=list)
+    finish: str = "length"
+    slot: int = -1
+    n: int = 0  # columns of its slot holding keys: tokens the model has seen
+
+
+@dataclass(eq=False)
+class _Parked:
+    """A finished sequence's keys, kept in its slot for a prompt that continues it."""
+
+    tokens: list[int]  # the tokens whose keys columns 0..len-1 hold
+    slot: int
+    keys: list[int]  # block hashes it is indexed under
+    stamp: int  # last use (least recently used goes first)
 
 
 class LocalEngine:
-    """Batched, KV-cached sampling from a Hugging Face causal LM in this process."""
+    """Continuously batched, KV-cached sampling from a Hugging Face causal LM in this process."""
 
     def __init__(
         self,
@@ -62,79 +96,118 @@ class LocalEngine:
         seed: int = 0,
         batch_wait_s: float = 0.002,
         min_shared_prefix: int = 16,
+        kv_cache_gb: float = 4.0,
+        max_prefill_tokens: int = 8192,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.max_context = max_context or int(getattr(model.config, "max_position_embeddings", 2048))
-        self.batch_wait_s = batch_wait_s
+        self.batch_wait_s = batch_wait_s  # an idle engine waits this long for concurrent callers to arrive
         self.min_shared_prefix = min_shared_prefix  # shorter common prefixes are not worth a separate pass
+        self.kv_cache_bytes = int(kv_cache_gb * 2**30)  # slots (running and parked) never take more
+        self.max_prefill_tokens = max_prefill_tokens  # rows x padded length of one prefill forward pass
         self.eos_ids = _eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
         self._seeds = random.Random(seed)
-        self._pending: dict[SamplingParams, list[_Request]] = {}
-        self._worker: asyncio.Task | None = None
         self.weights_version = 0  # bumped by every load_weights
-        self._weights_lock = threading.Lock()  # held by a whole batch's decode and by a weight update
+        # prompt tokens computed / whose keys were already held, decode steps, rows whose caller went away
+        self.stats = {"prefilled": 0, "reused": 0, "decode_steps": 0, "aborted": 0}
+        # shared with callers' threads, under _cond
+        self._cond = threading.Condition()
+        self._waiting: list[_Seq] = []
+        self._paused = 0  # > 0 while a weight update waits for the running sequences to finish
+        self._thread: threading.Thread | None = None
+        # the decode thread's own, under _weights_lock (held while any sequence runs)
+        self._weights_lock = threading.Lock()
+        self._cache: SlotCache | None = None
+        self._slot: list[_Seq | _Parked | None] = []  # owner of each slot: running [0, b), parked [b, b+p)
+        self._running: list[_Seq] = []  # slot order
+        self._parked: list[_Parked] = []  # any order
+        self._index: dict[int, _Parked] = {}  # block hash of a token prefix -> a parked entry holding it
+        self._clock = 0
+
+    # --- callers --------------------------------------------------------------------------------
 
     async def generate(
         self, prompts: list[list[int]], params: SamplingParams, on_token: TokenCallback | None = None
     ) -> list[GenerateOutput]:
-        """Queue the prompts; they are decoded together with whatever else is pending.
+        """Sample one response per prompt; the prompts join the running batch at its next step.
 
         `on_token(i, token_id, logprob)` is called on this event loop for every token sampled for
-        prompt i, in order, before `generate` returns. Cancelling the call stops its rows.
+        prompt i, in order, before `generate` returns. Cancelling the call frees its rows.
         """
         loop = asyncio.get_running_loop()
-        key = dataclasses.replace(params, seed=None)  # the seed is per request, not a batch property
         base = params.seed if params.seed is not None else self._seeds.getrandbits(62)
-        requests = [
-            _Request(list(p), base + i, loop.create_future(), on_token and functools.partial(on_token, i))
-            for i, p in enumerate(prompts)
+        futures = [loop.create_future() for _ in prompts]
+        seqs = [
+            self._new_seq(
+                p,
+                params,
+                base + i,
+                _forward_tokens(loop, f, on_token and functools.partial(on_token, i)),
+                functools.partial(_resolve_threadsafe, loop, f),
+                f.cancelled,
+            )
+            for i, (p, f) in enumerate(zip(prompts, futures, strict=True))
         ]
-        self._pending.setdefault(key, []).extend(requests)
-        if self._worker is None or self._worker.done():
-            self._worker = loop.create_task(self._drain())
-        return list(await asyncio.gather(*(r.future for r in requests)))
+        self._submit(seqs)
+        return list(await asyncio.gather(*futures))
 
-    async def _drain(self) -> None:
-        """Run pending requests batch by batch until the queue is empty."""
-        while self._pending:
-            await asyncio.sleep(self.batch_wait_s)  # let trajectories still finishing tool calls join
-            params, queue = next(iter(self._pending.items()))
-            batch, rest = queue[: self.max_batch_size], queue[self.max_batch_size :]
-            if rest:
-                self._pending[params] = rest
-            else:
-                del self._pending[params]
-            batch = [r for r in batch if not r.future.cancelled()]  # callers that gave up while queued
-            if not batch:
-                continue
-            try:
-                outputs = await asyncio.to_thread(
-                    self.generate_batch,
-                    [r.prompt for r in batch],
-                    params,
-                    [r.seed for r in batch],
-                    _row_hook(batch, asyncio.get_running_loop()),
-                )
-            except Exception as exc:  # surface engine failures to every waiting caller
-                for r in batch:
-                    if not r.future.done():
-                        r.future.set_exception(exc)
-                continue
-            for r, out in zip(batch, outputs, strict=True):
-                if not r.future.done():
-                    r.future.set_result(out)
+    def generate_batch(
+        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], on_token: RowHook | None = None
+    ) -> list[GenerateOutput]:
+        """Synchronously sample one response per prompt, seeded per prompt (for callers without an event
+        loop). `on_token(i, token, logprob)` sees every sampled token; returning False aborts that row
+        (finish_reason "abort")."""
+        results: list[GenerateOutput | BaseException | None] = [None] * len(prompts)
+        left = [len(prompts)]
+        finished = threading.Event()
+
+        def done(i: int, out: GenerateOutput | BaseException) -> None:
+            results[i] = out
+            left[0] -= 1  # only the decode thread calls this
+            if left[0] == 0:
+                finished.set()
+
+        def emit(i: int, token: int, logprob: float) -> bool:
+            return on_token is None or on_token(i, token, logprob)
+
+        seqs = [
+            self._new_seq(p, params, s, functools.partial(emit, i), functools.partial(done, i), lambda: False)
+            for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))
+        ]
+        if seqs:
+            self._submit(seqs)
+            finished.wait()
+        if error := next((r for r in results if isinstance(r, BaseException)), None):
+            raise error
+        return results  # type: ignore[return-value]
+
+    @property
+    def idle(self) -> bool:
+        """No sequence waiting or running (the decode thread has exited)."""
+        with self._cond:
+            return self._thread is None
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Sample from `model`'s current weights: nothing to do when it is the engine's own model (the
-        trainer and the engine share one object); otherwise its weights (LoRA merged) are copied in."""
+        """Sample from `model`'s current weights. When it is the engine's own model (the trainer and the
+        engine share one object) there is nothing to copy, but the kept keys were computed with the
+        old weights and are dropped; otherwise its weights (LoRA merged) are copied in."""
         if model is not self.model:
             self.load_weights(full_state_dict(model))
+        else:
+            self.sleep()
+
+    def sleep(self) -> None:
+        """Free the KV memory (running sequences finish first): the trainer's update needs the memory,
+        and the kept keys are stale after it anyway. The next request allocates again."""
+        with self._paused_engine():
+            self._release()
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int | None = None) -> int:
-        """Copy `tensors` into the model's weights in place, between two batches; returns their number.
+        """Copy `tensors` into the model's weights in place, once no sequence is running; returns their
+        number.
 
         Strict, like `load_state_dict`: every name must be a tensor of the model's state dict with the
         same shape, and every tensor of the model must be given (tied weights under any of their names).
@@ -152,168 +225,486 @@ class LocalEngine:
         given = {alias_key(target[name]) for name in tensors}
         if missing := next((n for n, t in target.items() if alias_key(t) not in given), None):
             raise ValueError(f"missing tensor {missing!r}: the weights must cover the whole model")
-        with self._weights_lock, torch.no_grad():
+        with self._paused_engine(), torch.no_grad():
             for name, t in tensors.items():
                 target[name].copy_(t)
+            self._drop_parked()
             self.weights_version = self.weights_version + 1 if version is None else version
         return len(tensors)
 
-    def generate_batch(
-        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], on_token: RowHook | None = None
-    ) -> list[GenerateOutput]:
-        """Synchronously sample one response per prompt, all from the same weights.
-
-        `on_token(row, token, logprob)` sees every sampled token; returning False aborts that row
-        (finish_reason "abort"), which leaves the batch and the KV cache like a finished row.
-        """
-        with self._weights_lock, autocast(self.model):  # autocast is per thread: the decode thread enters it
-            return self._decode(prompts, params, seeds, on_token)
-
-    @torch.inference_mode()
-    def _decode(
-        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], on_token: RowHook | None
-    ) -> list[GenerateOutput]:
-        """The decode loop of `generate_batch` (shapes in comments)."""
-        B, dev = len(prompts), model_device(self.model)
-        if min(len(p) for p in prompts) == 0:
+    def _new_seq(self, prompt, params, seed, emit, done, cancelled) -> _Seq:
+        if len(prompt) == 0:
             raise ValueError("cannot generate from an empty prompt")
-        lens = [len(p) for p in prompts]  # [B]
-        budget = [min(params.max_new_tokens, self.max_context - n) for n in lens]
-        gens = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
-        out_ids: list[list[int]] = [[] for _ in range(B)]
-        out_lp: list[list[float]] = [[] for _ in range(B)]
-        finish = ["length"] * B
-        rows = [i for i in range(B) if budget[i] > 0]  # request index of each live batch row
-        if not rows:
-            return self._outputs(prompts, out_ids, out_lp, finish)
-        live = [prompts[i] for i in rows]
-        index: dict[tuple[int, ...], int] = {}  # a GRPO group repeats its prompt: prefill each one once
-        which = torch.tensor([index.setdefault(tuple(p), len(index)) for p in live], device=dev)  # [b] row -> prompt
-        unique = [list(p) for p in index]
-        cache = BufferedCache(capacity=max(len(p) for p in live) + max(budget))
-        shared = self._prefill_shared_prefix(unique, cache)  # C tokens every prompt starts with, cached once
-        u, C = len(unique), shared
-        S = max(len(p) for p in unique) - C
-        padded = [[self.pad_id] * (S - (len(p) - C)) + p[C:] for p in unique]  # left-padded after the prefix
-        suffix = torch.tensor(padded, dtype=torch.long, device=dev)  # [u, S]
-        attn = torch.tensor(
-            [[1] * C + [0] * (S - len(p) + C) + [1] * (len(p) - C) for p in unique], device=dev
-        )  # [u, C+S]
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)[:, C:]  # [u, S] pads do not shift positions
-        logits = self.model(
-            input_ids=suffix,
-            attention_mask=attn,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1, :]  # [u, V]
-        if u < len(live):  # one copy of each prompt's cache per row that samples from it
-            cache.batch_select_indices(which)
-            logits, attn = logits[which], attn[which]  # [b, V], [b, C+S]
-        next_pos = torch.tensor([lens[i] for i in rows], device=dev)  # [b]
-        window = max((len(s) for s in params.stop), default=0) + 2
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        budget = min(params.max_new_tokens, self.max_context - len(prompt))
+        return _Seq(list(prompt), params, gen, budget, emit, done, cancelled)
+
+    def _submit(self, seqs: list[_Seq]) -> None:
+        """Queue sequences for the decode thread (started when idle); a prompt that fills the context
+        has nothing to sample and is answered at once."""
+        for s in [s for s in seqs if s.budget <= 0]:
+            s.done(self._output(s))
+        with self._cond:
+            self._waiting.extend(s for s in seqs if s.budget > 0)
+            if self._thread is None and self._waiting:
+                self._thread = threading.Thread(target=self._work, name="agent-r1-decode", daemon=True)
+                self._thread.start()
+
+    class _Pause:
+        def __init__(self, engine: LocalEngine) -> None:
+            self.engine = engine
+
+        def __enter__(self) -> None:
+            with self.engine._cond:
+                self.engine._paused += 1
+            self.engine._weights_lock.acquire()  # the decode thread holds it while sequences run
+
+        def __exit__(self, *exc) -> None:
+            e = self.engine
+            e._weights_lock.release()
+            with e._cond:
+                e._paused -= 1
+                if not e._paused and e._waiting and e._thread is None:
+                    e._thread = threading.Thread(target=e._work, name="agent-r1-decode", daemon=True)
+                    e._thread.start()
+
+    def _paused_engine(self) -> _Pause:
+        """Hold new sequences back and wait until none is running (for weight updates and freeing)."""
+        return self._Pause(self)
+
+    # --- the decode thread ----------------------------------------------------------------------
+
+    def _work(self) -> None:
+        """Run decode steps while there are sequences; exit when idle (a new request starts it again)."""
+        time.sleep(self.batch_wait_s)  # let the other trajectories of a turn arrive and prefill together
         while True:
-            tokens, logprobs = _sample(logits.float(), params, [gens[i] for i in rows])  # [b], [b]
-            alive = []
-            sampled = zip(rows, tokens.tolist(), logprobs.tolist(), strict=True)  # one device-to-host copy per step
-            for j, (i, tok, lp) in enumerate(sampled):
-                out_ids[i].append(tok)
-                out_lp[i].append(lp)
-                if on_token is not None and not on_token(i, tok, out_lp[i][-1]):
-                    finish[i] = "abort"
-                elif tok in self.eos_ids:
-                    finish[i] = "eos"
-                elif params.stop and _hits_stop(self.tokenizer, out_ids[i][-window:], params.stop):
-                    finish[i] = "stop"
-                elif len(out_ids[i]) < budget[i]:
-                    alive.append(j)
-            if not alive:
+            with self._cond:
+                if not self._waiting or self._paused:
+                    self._thread = None
+                    return
+            with self._weights_lock, autocast(self.model), torch.inference_mode():
+                self._step()
+                while self._running:
+                    self._step()
+
+    def _step(self) -> None:
+        """One decode step: the running rows decode a token, waiting rows join (prefilled), every row
+        samples, and finished rows leave."""
+        rows, new = list(self._running), []
+        try:
+            logits = [self._decode(rows)] if rows else []  # [b, V]
+            new = self._take_waiting()
+            if new:
+                logits.append(self._admit(new))  # [b_new, V]
+        except Exception as exc:  # a failed forward pass: fail its rows, keep serving the rest
+            self._fail_all(exc, rows + new)
+            return
+        if logits:
+            self._sample(self._running, torch.cat(logits))
+
+    def _take_waiting(self) -> list[_Seq]:
+        """Sequences that join now: as many as the batch size and the KV budget allow (at least one when
+        nothing runs, so a long prompt is never starved)."""
+        with self._cond:
+            if self._paused:
+                return []
+            self._waiting = [s for s in self._waiting if not s.cancelled()]  # callers that gave up
+            b, taken, cols = len(self._running), 0, self._running_columns()
+            per_token = self._bytes_per_token()
+            while taken < len(self._waiting) and b + taken < self.max_batch_size:
+                s = self._waiting[taken]
+                need = max(cols, len(s.prompt) + s.budget)
+                if b + taken and (b + taken + 2) * _round_up(need) * per_token > self.kv_cache_bytes:
+                    break
+                taken, cols = taken + 1, need
+            new, self._waiting = self._waiting[:taken], self._waiting[taken:]
+            return new
+
+    def _running_columns(self) -> int:
+        return max((len(s.prompt) + s.budget for s in self._running), default=0)
+
+    def _bytes_per_token(self) -> int:
+        return self._slots().bytes_per_token()
+
+    def _slots(self) -> SlotCache:
+        if self._cache is None:
+            cfg = self.model.config.get_text_config()
+            heads = cfg.num_attention_heads
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+            kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+            self._cache = SlotCache(cfg.num_hidden_layers, kv_heads, head_dim, model_device(self.model))
+        return self._cache
+
+    # --- slots ----------------------------------------------------------------------------------
+
+    def _fit(self, slots: int, columns: int) -> None:
+        """Room for `slots` running slots plus the parked ones, `columns` long, in the KV budget:
+        evicts parked slots (least recently used first) until it fits, then grows the buffer."""
+        cache = self._slots()
+        cap = max(cache.capacity, _round_up(columns))
+        per_slot = cap * cache.bytes_per_token()
+        most = min(self.kv_cache_bytes // per_slot, 2 * self.max_batch_size + 1)  # slots, running and parked
+        while self._parked and slots + len(self._parked) > most:
+            self._evict(min(self._parked, key=lambda e: e.stamp))
+        need = slots + len(self._parked)
+        if need <= cache.slots and cap <= cache.capacity:
+            return
+        cache.reserve(max(need, min(2 * cache.slots, most)), cap)
+        self._slot += [None] * (cache.slots - len(self._slot))
+
+    def _place(self, owner: _Seq | _Parked, slot: int) -> None:
+        self._slot[slot] = owner
+        owner.slot = slot
+
+    def _move(self, owner: _Seq | _Parked, slot: int) -> None:
+        """Move an owner's keys to a free slot."""
+        self._slots().move(owner.slot, slot, _held(owner))
+        self._slot[owner.slot] = None
+        self._place(owner, slot)
+
+    def _swap(self, a: int, b: int) -> None:
+        x, y = self._slot[a], self._slot[b]
+        self._slots().swap(a, b, _held(x), _held(y))
+        self._place(x, b)
+        self._place(y, a)
+
+    def _open_running_slot(self) -> int:
+        """A free slot at the end of the running region (the first parked slot moves out of the way);
+        `_fit` made room for it."""
+        b, p = len(self._running), len(self._parked)
+        if p:
+            self._move(self._slot[b], b + p)
+        return b
+
+    def _close_running_slot(self, s: _Seq) -> int:
+        """Take `s` out of the running region (the last running row fills its place); returns the freed
+        slot, which is the one just before the parked region."""
+        last = self._running[-1]
+        if last is not s:
+            self._swap(s.slot, last.slot)
+            i = self._running.index(s)
+            self._running[i] = last
+        self._running.pop()
+        return s.slot
+
+    def _park(self, s: _Seq) -> None:
+        """Keep a finished sequence's keys for a prompt that continues it (or free its slot)."""
+        slot = self._close_running_slot(s)
+        tokens = (s.prompt + s.out_ids)[: s.n]
+        if s.finish == "abort" or len(tokens) < BLOCK:  # a disconnected client: free its memory now
+            self._slot[slot] = None
+            if self._parked:  # keep the parked region contiguous
+                self._move(self._slot[slot + len(self._parked)], slot)
+            return
+        self._clock += 1
+        entry = _Parked(tokens, slot, _block_keys(tokens), self._clock)
+        self._slot[slot] = entry
+        self._parked.append(entry)
+        for k in entry.keys:
+            self._index[k] = entry
+
+    def _unindex(self, entry: _Parked) -> None:
+        self._parked.remove(entry)
+        for k in entry.keys:
+            if self._index.get(k) is entry:
+                del self._index[k]
+
+    def _evict(self, entry: _Parked) -> None:
+        """Forget a parked entry; the last parked slot fills its place."""
+        self._unindex(entry)
+        last = len(self._running) + len(self._parked)  # the old last parked slot
+        self._slot[entry.slot] = None
+        if entry.slot != last:
+            self._move(self._slot[last], entry.slot)
+
+    def _drop_parked(self) -> None:
+        for e in self._parked:
+            self._slot[e.slot] = None
+        self._parked, self._index = [], {}
+
+    def _lookup(self, tokens: list[int], limit: int) -> tuple[_Parked | None, int]:
+        """The parked entry sharing the longest prefix with `tokens` (whole blocks, then token by token),
+        and the length m <= limit of that prefix."""
+        entry = None
+        for k in _block_keys(tokens[: limit - limit % BLOCK]):
+            if k not in self._index:
                 break
-            if len(alive) < len(rows):  # drop finished rows from the batch and from the KV cache
-                sel = torch.tensor(alive, device=dev)
-                cache.batch_select_indices(sel)
-                attn, next_pos, tokens = attn[sel], next_pos[sel], tokens[sel]
-                rows = [rows[j] for j in alive]
-            attn = torch.cat([attn, attn.new_ones((len(rows), 1))], dim=1)  # [b, P+t]
-            logits = self.model(
-                input_ids=tokens.unsqueeze(1),  # [b, 1]
-                attention_mask=attn,
-                position_ids=next_pos.unsqueeze(1),  # [b, 1]
-                past_key_values=cache,
-                use_cache=True,
-            ).logits[:, -1, :]
-            next_pos = next_pos + 1
-        return self._outputs(prompts, out_ids, out_lp, finish)
+            entry = self._index[k]
+        if entry is None:
+            return None, 0
+        m = min(len(entry.tokens), limit)
+        m = next((i for i in range(m) if entry.tokens[i] != tokens[i]), m)
+        return (entry, m) if m >= BLOCK else (None, 0)
 
-    def _prefill_shared_prefix(self, prompts: list[list[int]], cache: BufferedCache) -> int:
-        """Run the longest prefix all prompts share once and copy its KV cache to every row.
+    # --- forward passes -------------------------------------------------------------------------
 
-        Agent prompts repeat a long system prompt, tool schemas and few-shot examples, so this removes
-        most of the prefill (like vLLM's prefix caching, but only within one batch; identical prompts,
-        such as a GRPO group's, are already merged by the caller). Each prompt keeps at least one token
-        of its own to produce its logits.
-        Returns the prefix length C (0 when sharing does not pay).
+    def _admit(self, new: list[_Seq]) -> torch.Tensor:
+        """Give the new sequences running slots, with whatever keys parked slots already hold, prefill
+        the rest, and return their next-token logits [n, V] in slot order."""
+        groups: dict[tuple[int, ...], list[_Seq]] = {}
+        for s in new:
+            groups.setdefault(tuple(s.prompt), []).append(s)
+        firsts = [g[0] for g in groups.values()]
+        self._fit(len(self._running) + len(new) + 1, max(len(s.prompt) + s.budget for s in new))
+        self._prefill_shared_prefix([s.prompt for s in firsts])
+        for s in firsts:
+            entry, m = self._lookup(s.prompt, len(s.prompt) - 1)
+            if entry is not None and m == len(entry.tokens):  # it continues a parked sequence: take its slot
+                self._unindex(entry)
+                b = len(self._running)
+                if entry.slot != b:
+                    self._swap(entry.slot, b)
+                self._place(s, b)
+            else:
+                self._place(s, self._open_running_slot())
+                if entry is not None:  # a shared beginning: copy those keys
+                    self._slots().move(entry.slot, s.slot, m)
+                    self._clock += 1
+                    entry.stamp = self._clock
+            s.n = m
+            self._running.append(s)
+        logits = self._prefill(firsts)  # [u, V]
+        rows = list(range(len(firsts)))
+        for i, group in enumerate(groups.values()):  # a GRPO group: one prefill, a copy of its keys per row
+            for s in group[1:]:
+                self._place(s, self._open_running_slot())
+                self._slots().move(group[0].slot, s.slot, len(s.prompt))
+                s.n = len(s.prompt)
+                self._running.append(s)
+                rows.append(i)
+        return logits[torch.tensor(rows, device=logits.device)]
+
+    def _prefill_shared_prefix(self, prompts: list[list[int]]) -> None:
+        """Prefill the prefix all new prompts share once and park it, so each prompt copies its keys.
+
+        Agent prompts repeat a long system prompt, tool schemas and few-shot examples. Skipped when it
+        is shorter than `min_shared_prefix` or already parked. Each prompt keeps at least one token of
+        its own to produce its logits.
         """
-        C = min(len(p) for p in prompts) - 1
-        first = prompts[0]
+        if len(prompts) < 2:
+            return
+        first, C = prompts[0], min(len(p) for p in prompts) - 1
         for p in prompts[1:]:
             C = next((k for k in range(C) if p[k] != first[k]), C)
-        if len(prompts) < 2 or self.min_shared_prefix > C:
-            return 0
-        dev = model_device(self.model)
-        self.model(
-            input_ids=torch.tensor([first[:C]], device=dev),
-            position_ids=torch.arange(C, device=dev)[None],
+        entry, m = self._lookup(first, C)
+        if C < self.min_shared_prefix or C - m < self.min_shared_prefix:
+            return
+        job = _Seq(first[:C], SamplingParams(), None, 0, None, None, None)  # type: ignore[arg-type]
+        self._place(job, self._open_running_slot())
+        if entry is not None:
+            self._slots().move(entry.slot, job.slot, m)
+        job.n = m
+        self._running.append(job)
+        self._prefill([job], logits=False)
+        self._park(job)
+
+    def _prefill(self, seqs: list[_Seq], logits: bool = True) -> torch.Tensor | None:
+        """Compute the keys of each sequence's prompt past the n it already holds; return the last
+        position's logits [u, V]. The sequences hold consecutive slots. Rows are left-padded, so the
+        last real token of every row is the last position; a padding position writes its (unused)
+        key past its row's end and looks at column 0 only."""
+        out, start = [], 0
+        while start < len(seqs):  # chunks of at most max_prefill_tokens rows x padded length
+            end, S = start + 1, len(seqs[start].prompt) - seqs[start].n
+            while end < len(seqs):
+                S2 = max(S, len(seqs[end].prompt) - seqs[end].n)
+                if (end + 1 - start) * S2 > self.max_prefill_tokens:
+                    break
+                end, S = end + 1, S2
+            out.append(self._prefill_chunk(seqs[start:end], S, logits))
+            start = end
+        return torch.cat(out) if logits else None
+
+    def _prefill_chunk(self, seqs: list[_Seq], S: int, logits: bool) -> torch.Tensor | None:
+        dev, cache = model_device(self.model), self._slots()
+        m = torch.tensor([s.n for s in seqs], device=dev)  # [u] columns already held
+        own = torch.tensor([len(s.prompt) - s.n for s in seqs], device=dev)  # [u] tokens to compute
+        W = int((m + S).max())
+        self._fit(len(self._running), W)
+        j = torch.arange(S, device=dev)[None]  # [1, S]
+        pad = j < (S - own)[:, None]  # [u, S] left padding
+        k = j - (S - own)[:, None]  # [u, S] index into the row's own tokens (negative on padding)
+        ids = torch.tensor(
+            [[self.pad_id] * (S - len(s.prompt) + s.n) + s.prompt[s.n :] for s in seqs], device=dev
+        )  # [u, S]
+        positions = torch.where(pad, 0, m[:, None] + k)  # [u, S]
+        cols = torch.where(pad, m[:, None] + own[:, None] + j, m[:, None] + k)  # [u, S] padding writes past the end
+        kv = torch.arange(W, device=dev)[None, None]  # [1, 1, W]
+        sees = torch.where(pad[..., None], kv == 0, kv <= positions[..., None])  # [u, S, W]
+        cache.first, cache.cols, cache.width = seqs[0].slot, cols, W
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=self._mask(sees, positions),
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
         )
-        cache.batch_repeat_interleave(len(prompts))
-        return C
+        for s in seqs:
+            self.stats["reused"] += s.n
+            self.stats["prefilled"] += len(s.prompt) - s.n
+            s.n = len(s.prompt)
+        return out.logits[:, -1, :] if logits else None  # [u, V]
 
-    def _outputs(self, prompts, out_ids, out_lp, finish) -> list[GenerateOutput]:
-        outs = []
-        for p, ids, lp, fin in zip(prompts, out_ids, out_lp, finish, strict=True):
-            shown = ids[:-1] if fin == "eos" else ids  # the EOS token is sampled and trained, not shown
-            text = self.tokenizer.decode(shown, skip_special_tokens=False)
-            outs.append(GenerateOutput(token_ids=ids, logprobs=lp, text=text, finish_reason=fin, prompt_len=len(p)))
-        return outs
+    def _decode(self, rows: list[_Seq]) -> torch.Tensor:
+        """Feed every running row its last sampled token at its own column; return the logits [b, V]."""
+        dev, cache = model_device(self.model), self._slots()
+        n = torch.tensor([s.n for s in rows], device=dev)  # [b] the column (= position) of the new token
+        last = torch.tensor([s.out_ids[-1] for s in rows], device=dev)  # [b]
+        W = int(n.max()) + 1
+        cache.first, cache.cols, cache.width = 0, n[:, None], W
+        sees = torch.arange(W, device=dev)[None, None] <= n[:, None, None]  # [b, 1, W]
+        out = self.model(
+            input_ids=last[:, None],
+            position_ids=n[:, None],
+            attention_mask=self._mask(sees, n[:, None]),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        for s in rows:
+            s.n += 1
+        self.stats["decode_steps"] += 1
+        return out.logits[:, -1, :]
+
+    def _mask(self, sees: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The 4D mask [b, 1, q, W] transformers uses as given; models with sliding-window layers
+        (Gemma 3) get a second one that also hides keys more than `sliding_window` positions back."""
+        mask = sees[:, None]
+        cfg = self.model.config.get_text_config()
+        if "sliding_attention" not in (getattr(cfg, "layer_types", None) or ()):
+            return mask
+        kv = torch.arange(sees.shape[-1], device=sees.device)
+        near = positions[..., None] - kv < cfg.sliding_window  # [b, q, W]
+        return {"full_attention": mask, "sliding_attention": (sees & near)[:, None]}
+
+    # --- sampling and finishing -----------------------------------------------------------------
+
+    def _sample(self, rows: list[_Seq], logits: torch.Tensor) -> None:
+        """Sample each row's next token, report it, and let finished rows leave the batch."""
+        tokens, logprobs = _sample(logits.float(), [s.params for s in rows], [s.gen for s in rows])
+        finished = []
+        for s, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):  # one copy to the host
+            s.out_ids.append(tok)
+            s.out_lp.append(lp)
+            stop = s.params.stop
+            if not s.emit(tok, lp):
+                s.finish = "abort"
+                self.stats["aborted"] += 1
+            elif tok in self.eos_ids:
+                s.finish = "eos"
+            elif stop and _hits_stop(self.tokenizer, s.out_ids[-(max(map(len, stop)) + 2) :], stop):
+                s.finish = "stop"
+            elif len(s.out_ids) < s.budget:
+                continue
+            finished.append(s)
+        for s in sorted(finished, key=lambda s: -s.slot):  # from the back: each leaves a compact batch
+            self._park(s)
+            s.done(self._output(s))
+
+    def _fail_all(self, exc: Exception, seqs: list[_Seq]) -> None:
+        """A forward pass failed: every sequence in it gets the error; the engine starts clean."""
+        for s in seqs:
+            if s.done is not None:  # (not a shared prefix being prefilled)
+                s.done(exc)
+        self._release()
+
+    def _release(self) -> None:
+        """No running or parked sequences, no KV memory."""
+        self._drop_parked()
+        self._running, self._slot = [], []
+        if self._cache is not None:
+            self._cache.release()
+
+    def _output(self, s: _Seq) -> GenerateOutput:
+        shown = s.out_ids[:-1] if s.finish == "eos" else s.out_ids  # the EOS token is sampled and trained, not shown
+        text = self.tokenizer.decode(shown, skip_special_tokens=False)
+        return GenerateOutput(s.out_ids, s.out_lp, text, s.finish, len(s.prompt))
 
 
-def _row_hook(batch: list[_Request], loop: asyncio.AbstractEventLoop) -> RowHook:
-    """The decode thread's per-token hook: forward the token to its caller's callback on the event
-    loop, and stop rows whose caller was cancelled (reading `cancelled()` from a thread is safe)."""
+def _held(owner: _Seq | _Parked | None) -> int:
+    """Columns of keys an owner's slot holds."""
+    if owner is None:
+        return 0
+    return len(owner.tokens) if isinstance(owner, _Parked) else owner.n
 
-    def hook(row: int, token: int, logprob: float) -> bool:
-        request = batch[row]
-        if request.future.cancelled():
+
+def _round_up(columns: int) -> int:
+    return -(-max(columns, 1) // COLUMN_STEP) * COLUMN_STEP
+
+
+def _block_keys(tokens: list[int]) -> list[int]:
+    """A chained hash of every whole block of tokens: key i stands for tokens[:BLOCK * (i + 1)]."""
+    keys, h = [], 0
+    for i in range(BLOCK, len(tokens) + 1, BLOCK):
+        h = hash((h, *tokens[i - BLOCK : i]))
+        keys.append(h)
+    return keys
+
+
+def _forward_tokens(loop: asyncio.AbstractEventLoop, future: asyncio.Future, on_token) -> Callable[[int, float], bool]:
+    """The decode thread's per-token hook for an async caller: forward the token to its callback on the
+    caller's event loop; False (abort the row) once the caller was cancelled (reading `cancelled()`
+    from a thread is safe)."""
+
+    def emit(token: int, logprob: float) -> bool:
+        if future.cancelled():
             return False
-        if request.on_token is not None:
-            loop.call_soon_threadsafe(request.on_token, token, logprob)
+        if on_token is not None:
+            _call_threadsafe(loop, on_token, token, logprob)
         return True
 
-    return hook
+    return emit
+
+
+def _resolve_threadsafe(loop: asyncio.AbstractEventLoop, future: asyncio.Future, out) -> None:
+    def resolve() -> None:
+        if future.done():
+            return
+        if isinstance(out, BaseException):
+            future.set_exception(out)
+        else:
+            future.set_result(out)
+
+    _call_threadsafe(loop, resolve)
+
+
+def _call_threadsafe(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    with _suppress_closed_loop():
+        loop.call_soon_threadsafe(fn, *args)
+
+
+class _suppress_closed_loop:
+    """A caller whose event loop has closed (a finished rollout) no longer needs its answer."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        return kind is RuntimeError and "closed" in str(exc)
 
 
 def _sample(
-    logits: torch.Tensor, params: SamplingParams, gens: list[torch.Generator]
+    logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; return ids [b] and their log-probs [b] under logits / temperature."""
-    if params.temperature == 0:
-        logp = torch.log_softmax(logits, dim=-1)  # [b, V]
-        tokens = logp.argmax(dim=-1)
-        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
-    logp = torch.log_softmax(logits / params.temperature, dim=-1)  # [b, V]
-    probs = logp.exp()
-    if params.top_p < 1.0:  # nucleus: keep the smallest prefix of sorted tokens with mass >= top_p
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p > params.top_p
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-    cdf = probs.cumsum(-1)  # [b, V]
-    draws = torch.stack([torch.rand((), generator=g, device="cpu") for g in gens])  # [b] seeded alike on every device
-    u = draws.to(cdf.device) * cdf[:, -1]  # [b] one draw per row
-    tokens = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+    """Sample one token per row, each with its own temperature and top-p; return ids [b] and their
+    log-probs [b] under logits / temperature (temperature 1 for greedy rows)."""
+    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)  # [b]
+    logp = torch.log_softmax(logits / temperature[:, None], dim=-1)  # [b, V]
+    tokens = logp.argmax(dim=-1)  # greedy rows keep these
+    sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+    if sampled:
+        idx = torch.tensor(sampled, device=logits.device)
+        probs = logp[idx].exp()  # [s, V]
+        top_p = torch.tensor([params[i].top_p for i in sampled], device=logits.device)[:, None]  # [s, 1]
+        if (top_p < 1).any():  # nucleus: keep the smallest prefix of sorted tokens with mass >= top_p
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            drop = (sorted_p.cumsum(-1) - sorted_p > top_p) & (top_p < 1)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        cdf = probs.cumsum(-1)  # [s, V]
+        draws = torch.stack([torch.rand((), generator=gens[i], device="cpu") for i in sampled])  # [s]
+        u = draws.to(cdf.device) * cdf[:, -1]  # one draw per row, seeded alike on every device
+        picked = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+        tokens = tokens.index_put((idx,), picked)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 

@@ -184,8 +184,8 @@ def train(
                 t_gather = time.perf_counter()
                 trajs = [t for part in dist.gather(mine) for t in part]
                 gather_s = time.perf_counter() - t_gather  # torchrun: the ranks' trajectories to every rank
-            if isinstance(engine, VLLMEngine):
-                engine.sleep()  # on a GPU: vLLM's memory goes to the update until the weight sync wakes it
+            if isinstance(engine, VLLMEngine | LocalEngine):
+                engine.sleep()  # the engine's KV memory goes to the update (on a GPU, vLLM's until the sync wakes it)
             t1 = time.perf_counter()
 
             # 2. rewards: errored or empty episodes are not evidence about the policy: leave them out -----

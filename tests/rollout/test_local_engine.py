@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from agent_r1.rollout.engine import SamplingParams
+from agent_r1.rollout.local_engine import LocalEngine
 from tests.conftest import recompute_logprobs
 
 
@@ -88,16 +89,30 @@ def test_context_budget_caps_new_tokens(engine, tokenizer):
     assert len(out.token_ids) == 3 and out.finish_reason == "length"
 
 
-async def test_concurrent_calls_are_batched_together(engine, tokenizer):
+def record_forwards(model) -> list:
+    """Spy on the model: the input shape of every engine forward pass, in order (filled as they run)."""
     calls = []
-    original = engine.generate_batch
-    engine.generate_batch = lambda prompts, params, seeds, hook: (
-        calls.append(len(prompts)) or original(prompts, params, seeds, hook)
-    )
+
+    def hook(module, args, kwargs):
+        if "past_key_values" in kwargs:  # the engine's passes (not the tests' plain reference forwards)
+            calls.append(tuple(kwargs["input_ids"].shape))
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return calls
+
+
+@pytest.fixture
+def forwards(tiny_model):
+    calls = record_forwards(tiny_model)
+    yield calls
+    tiny_model._forward_pre_hooks.clear()
+
+
+async def test_concurrent_calls_are_prefilled_together(engine, tokenizer, forwards):
     prompts = prompts_of(tokenizer)
     params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=3)
     outs = await asyncio.gather(*(engine.generate([p], params) for p in prompts))
-    assert calls == [3]
+    assert forwards[0][0] == 3 and all(shape == (3, 1) for shape in forwards[1:])  # one prefill, then 3 rows
     assert all(len(o[0].token_ids) == 4 for o in outs)
 
 
@@ -111,16 +126,7 @@ async def test_on_token_streams_every_sampled_token_in_order(engine, tokenizer):
     assert [o.token_ids for o in outs] == [o.token_ids for o in await engine.generate(prompts, params)]
 
 
-async def test_cancelled_caller_stops_its_row_and_others_finish(engine, tokenizer):
-    finishes = []
-    original = engine.generate_batch
-
-    def spy(prompts, params, seeds, hook):
-        outs = original(prompts, params, seeds, hook)
-        finishes.extend(o.finish_reason for o in outs)
-        return outs
-
-    engine.generate_batch = spy
+async def test_cancelled_caller_frees_its_row_at_the_next_step(engine, tokenizer, forwards):
     first_token = asyncio.Event()
     params = SamplingParams(max_new_tokens=400, temperature=0.0)
     doomed = asyncio.create_task(engine.generate([prompts_of(tokenizer)[0]], params, lambda *_: first_token.set()))
@@ -128,7 +134,12 @@ async def test_cancelled_caller_stops_its_row_and_others_finish(engine, tokenize
     await first_token.wait()
     doomed.cancel()
     (out,) = await survivor
-    assert finishes.count("abort") == 1 and len(out.token_ids) == 400  # the other row decoded to its budget
+    assert len(out.token_ids) == 400  # the other row decoded to its budget
+    decodes = [rows for rows, q in forwards if q == 1]
+    assert decodes[0] == 2 and decodes[-1] == 1 and decodes.count(2) < 20  # the cancelled row left early
+    survivor_prompt = prompts_of(tokenizer)[1]
+    kept = [e.tokens[: len(survivor_prompt)] for e in engine._parked]
+    assert kept == [survivor_prompt]  # the survivor's keys are kept for a next turn; the aborted row's are freed
     with pytest.raises(asyncio.CancelledError):
         await doomed
 
@@ -183,3 +194,118 @@ def test_a_groups_repeated_prompt_is_prefilled_once(engine, tiny_model, tokenize
     assert calls[2] == (5, 1)  # then all 5 rows decode
     assert_logprobs_match_a_plain_forward(tiny_model, prompts, outs)
     assert len({tuple(o.token_ids) for o in outs[:3]}) > 1  # the copies sample independently
+
+
+# --- continuous batching and keys kept across turns ---------------------------------------------
+
+
+def greedy_alone(tiny_model, tokenizer, prompt: list[int], n: int):
+    """What a fresh engine that has seen nothing else answers (nothing kept, nothing shared)."""
+    fresh = LocalEngine(tiny_model, tokenizer, seed=0, max_context=1024)
+    return gen(fresh, [prompt], max_new_tokens=n, temperature=0.0)[0]
+
+
+async def test_a_request_joins_the_running_batch_mid_decode(engine, tiny_model, tokenizer, forwards):
+    long_prompt, short_prompt = prompts_of(tokenizer)[0], prompts_of(tokenizer)[2]
+    started = asyncio.Event()
+    count = [0]
+
+    def on_token(*_):
+        count[0] += 1
+        if count[0] == 5:
+            started.set()
+
+    greedy = SamplingParams(max_new_tokens=120, temperature=0.0)
+    first = asyncio.create_task(engine.generate([long_prompt], greedy, on_token))
+    await started.wait()
+    (second,) = await engine.generate([short_prompt], dataclasses.replace(greedy, max_new_tokens=10))
+    assert not first.done()  # it joined and left while the first one was still decoding
+    (first_out,) = await first
+    joined = forwards.index((1, len(short_prompt)))  # the newcomer's prefill, between decode steps
+    assert forwards[joined - 1] == (1, 1) and forwards[joined + 1] == (2, 1)
+    assert first_out.token_ids == greedy_alone(tiny_model, tokenizer, long_prompt, 120).token_ids
+    assert second.token_ids == greedy_alone(tiny_model, tokenizer, short_prompt, 10).token_ids
+    assert_logprobs_match_a_plain_forward(tiny_model, [long_prompt, short_prompt], [first_out, second])
+
+
+def test_next_turn_prefills_only_what_the_environment_added(engine, tiny_model, tokenizer, forwards):
+    system = tokenizer.encode(SYSTEM)
+    turn1 = system + tokenizer.encode("What is 12 * 34?")
+    (out1,) = gen(engine, [turn1], max_new_tokens=20, temperature=1.0)
+    tool = tokenizer.encode("\n<tool_response>408</tool_response>\n")
+    turn2 = turn1 + out1.token_ids + tool
+    before = dict(engine.stats)
+    forwards.clear()
+    (out2,) = gen(engine, [turn2], max_new_tokens=20, temperature=1.0)
+    held = len(turn1) + len(out1.token_ids) - 1  # the last sampled token was never fed to the model
+    assert engine.stats["reused"] - before["reused"] == held
+    assert forwards[0] == (1, len(tool) + 1)  # the prefill: the last sampled token and the tool result
+    assert_logprobs_match_a_plain_forward(tiny_model, [turn2], [out2])
+    assert engine._parked[0].tokens == (turn2 + out2.token_ids)[:-1]  # turn 1's slot was taken over, not copied
+
+
+def test_a_rewritten_context_reuses_only_the_common_beginning(engine, tiny_model, tokenizer):
+    system = tokenizer.encode(SYSTEM)
+    (out1,) = gen(engine, [system + tokenizer.encode("What is 12 * 34?")], max_new_tokens=20, temperature=1.0)
+    rewritten = system + tokenizer.encode("Summary so far: the user asked for a product.")
+    before = engine.stats["reused"]
+    (out2,) = gen(engine, [rewritten], max_new_tokens=20, temperature=1.0)
+    common = next(i for i, (a, b) in enumerate(zip(rewritten, system + tokenizer.encode("What"))) if a != b)
+    assert engine.stats["reused"] - before == common
+    assert_logprobs_match_a_plain_forward(tiny_model, [rewritten], [out2])
+    assert len(engine._parked) == 2  # a partial match copies keys and leaves the first entry parked
+
+
+def test_greedy_turns_equal_a_fresh_engine_under_a_tiny_memory_budget(tiny_model, tokenizer):
+    """Three-turn greedy conversations for 6 prompts through an engine whose KV budget holds only a few
+    slots: parked keys are evicted and recomputed, and every answer is what a fresh engine gives."""
+    per_token = 2 * 2 * 2 * 16 * 4  # layers x (k, v) x kv heads x head dim x fp32 bytes
+    small = LocalEngine(tiny_model, tokenizer, seed=0, max_context=1024, kv_cache_gb=4 * 256 * per_token / 2**30)
+    prompts = [tokenizer.encode(SYSTEM + q) for q in ("Hi", "2+2", "Name a colour", "Why?", "Go", "Stop")]
+    tail = tokenizer.encode(" ok, go on:")
+    for _turn in range(3):
+        outs = gen(small, prompts, max_new_tokens=6, temperature=0.0)
+        for p, o in zip(prompts, outs, strict=True):
+            assert o.token_ids == greedy_alone(tiny_model, tokenizer, p, 6).token_ids
+        assert small._cache.buf.nbytes <= small.kv_cache_bytes
+        prompts = [p + o.token_ids + tail for p, o in zip(prompts, outs, strict=True)]
+    assert small.stats["reused"] > 0 and len(small._parked) < 6  # some kept, some evicted
+
+
+async def test_rows_with_different_sampling_params_share_a_batch(engine, tokenizer, forwards):
+    prompts = prompts_of(tokenizer)
+    kinds = [
+        SamplingParams(max_new_tokens=8, temperature=0.0),
+        SamplingParams(max_new_tokens=8, temperature=0.7, seed=11),
+        SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=12),
+    ]
+    together = await asyncio.gather(*(engine.generate([p], k) for p, k in zip(prompts, kinds, strict=True)))
+    assert forwards[0][0] == 3  # one prefill for all three
+    engine.sleep()
+    for p, k, (out,) in zip(prompts, kinds, together, strict=True):
+        (alone,) = await engine.generate([p], k)
+        assert alone.token_ids == out.token_ids
+        assert max(abs(a - b) for a, b in zip(alone.logprobs, out.logprobs, strict=True)) < 1e-4
+
+
+def test_changed_weights_drop_the_kept_keys(tokenizer):
+    from tests.conftest import make_tiny_llama
+
+    model = make_tiny_llama(len(tokenizer), eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id, seed=0)
+    engine = LocalEngine(model, tokenizer, seed=0, max_context=1024)
+    prompt = tokenizer.encode(SYSTEM + "Hi")
+    (out,) = gen(engine, [prompt], max_new_tokens=8, temperature=0.0)
+    assert engine._parked
+    with torch.no_grad():  # an optimizer step on the shared model, then the trainer's sync
+        for p in model.parameters():
+            p.mul_(1.05)
+    engine.sync_weights(model)
+    assert engine._parked == [] and engine._cache.buf is None  # stale keys dropped, memory freed
+    nxt = prompt + out.token_ids + tokenizer.encode(" and?")
+    (again,) = gen(engine, [nxt], max_new_tokens=8, temperature=0.0)
+    assert_logprobs_match_a_plain_forward(model, [nxt], [again])
+    other = make_tiny_llama(len(tokenizer), eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id, seed=5)
+    engine.load_weights(other.state_dict())
+    assert engine._parked == []
+    (after,) = gen(engine, [nxt + again.token_ids], max_new_tokens=8, temperature=0.0)
+    assert_logprobs_match_a_plain_forward(other, [nxt + again.token_ids], [after])

@@ -39,18 +39,25 @@ async def client(served):
         yield c
 
 
-def record_batches(engine: LocalEngine) -> list:
-    """Spy on the real decode loop: one (batch size, finish reasons) entry per batch."""
-    batches = []
-    original = engine.generate_batch
+def record_prefills(engine: LocalEngine) -> list:
+    """Spy on the engine's model: the row count of every prefill pass (more than one token a row)."""
+    rows = []
 
-    def spy(prompts, params, seeds, hook=None):
-        outs = original(prompts, params, seeds, hook)
-        batches.append((len(prompts), [o.finish_reason for o in outs]))
-        return outs
+    def hook(module, args, kwargs):
+        if "past_key_values" in kwargs and kwargs["input_ids"].shape[1] > 1:
+            rows.append(kwargs["input_ids"].shape[0])
 
-    engine.generate_batch = spy
-    return batches
+    engine.model._forward_pre_hooks.clear()
+    engine.model.register_forward_pre_hook(hook, with_kwargs=True)
+    return rows
+
+
+async def until_idle(engine: LocalEngine, timeout: float = 30) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if engine.idle:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the engine is still decoding")
 
 
 CALCULATOR = [calculator.schema]
@@ -198,39 +205,35 @@ async def test_bad_input_is_an_openai_style_4xx_and_the_server_keeps_serving(cli
 
 async def test_concurrent_requests_are_decoded_as_one_batch(client, served, tokenizer):
     served.engine.batch_wait_s = 0.2  # in-process requests all arrive well within this
-    batches = record_batches(served.engine)
+    prefills = record_prefills(served.engine)
     prompts = [tokenizer.encode(f"Question {i}") for i in range(4)]
     body = {"model": NAME, "max_tokens": 3, "temperature": 0}
     rs = await asyncio.gather(*(client.post("/v1/completions", json=body | {"prompt": p}) for p in prompts))
     assert all(r.status_code == 200 for r in rs)
-    assert [size for size, _ in batches] == [4]
+    assert prefills == [4]
 
 
 async def test_a_request_past_its_deadline_is_a_504_and_its_row_is_dropped(served, tokenizer):
     served.request_timeout = 0.05
-    batches = record_batches(served.engine)
     transport = httpx.ASGITransport(app=create_app(served))
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
         body = {"model": NAME, "prompt": tokenizer.encode("Hello"), "max_tokens": 480, "temperature": 1.0}
         r = await client.post("/v1/completions", json=body)
         assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
-        await asyncio.wait_for(served.engine._worker, 30)  # the engine goes idle instead of decoding 480 tokens
-    assert batches == [(1, ["abort"])]
+        await until_idle(served.engine)  # the engine goes idle instead of decoding 480 tokens
+    assert served.engine.stats["aborted"] == 1 and served.engine.stats["decode_steps"] < 470
 
 
 def test_client_disconnect_mid_stream_stops_generation(served, tokenizer):
-    batches = record_batches(served.engine)
+    stats = served.engine.stats
     body = {"model": NAME, "prompt": tokenizer.encode("Hello"), "max_tokens": 480, "temperature": 1.0, "stream": True}
     with serving(create_app(served)) as url, httpx.Client(base_url=url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json=body) as r:
             lines = r.iter_lines()
             first = [next(lines) for _ in range(4)]  # a few tokens arrived, then the client goes away
         assert first[0].startswith("data: ")
-        for _ in range(3000):  # bounded wait for the server to notice and the engine to drop the row
-            if batches:
-                break
-            asyncio.run(asyncio.sleep(0.01))
-    assert batches and batches[0][1] == ["abort"]
+        asyncio.run(until_idle(served.engine))  # the server notices and the engine drops the row
+    assert stats["aborted"] == 1 and stats["decode_steps"] < 470
 
 
 # --- /v1/load_weights -----------------------------------------------------------------------------------
