@@ -487,7 +487,7 @@ class LocalEngine:
         for p in prompts[1:]:
             C = next((k for k in range(C) if p[k] != first[k]), C)
         entry, m = self._lookup(first, C)
-        if C < self.min_shared_prefix or C - m < self.min_shared_prefix:
+        if min(C, C - m) < self.min_shared_prefix:
             return
         job = _Seq(first[:C], SamplingParams(), None, 0, None, None, None)  # type: ignore[arg-type]
         self._place(job, self._open_running_slot())
