@@ -10,8 +10,9 @@ left-padded, so rows of any length decode together and a row can be dropped or a
 slot, not by re-aligning the batch. (vLLM gets the same freedom from paged attention; a slot is one
 page as long as the sequence, which is what plain PyTorch attention can read as a strided view.)
 
-The buffer is zero-initialised and only ever holds finite values, so masked columns cannot turn an
-attention score into NaN, whichever SDPA kernel adds the mask.
+Every column an attention reads holds a finite value, so a masked column cannot turn an attention score
+into NaN, whichever SDPA kernel adds the mask: columns are zeroed up to the widest read so far
+(`clean`), lazily, so the memory of columns never read is never touched (nor resident).
 
 `SlotCache` speaks transformers' `Cache` interface: before each forward pass the engine says which
 slots the batch occupies (`rows`), where each new token's key goes (`cols`) and how many columns the
@@ -33,6 +34,7 @@ class SlotCache(Cache):
         self.kv_heads, self.head_dim, self.device = kv_heads, head_dim, torch.device(device)
         self.buf: torch.Tensor | None = None  # [layers, 2, slots, kv_heads, capacity, head_dim]
         self.dtype: torch.dtype | None = None  # that of the keys the model computes (set by the first forward)
+        self.clean = 0  # columns 0..clean-1 of every slot hold finite values
         # set by the engine before each forward pass:
         self.first = 0  # the batch's rows are slots first .. first+b-1
         self.cols: torch.Tensor | None = None  # [b, q] the column each new token's key and value go to
@@ -56,18 +58,26 @@ class SlotCache(Cache):
         dtype = dtype or self.dtype or torch.float32
         if self.buf is not None and slots <= self.slots and capacity <= self.capacity and dtype == self.dtype:
             return
-        new = torch.zeros(
+        new = torch.empty(
             (len(self.layers), 2, max(slots, self.slots), self.kv_heads, max(capacity, self.capacity), self.head_dim),
             dtype=dtype,
             device=self.device,
         )
+        old = self.slots
         if self.buf is not None:
-            new[:, :, : self.slots, :, : self.capacity] = self.buf
+            new[:, :, :old, :, : self.clean] = self.buf[:, :, :, :, : self.clean]
+        new[:, :, old:, :, : self.clean] = 0
         self.buf, self.dtype = new, dtype
+
+    def read_up_to(self, width: int) -> None:
+        """Make columns 0..width-1 of every slot finite before an attention reads them."""
+        if width > self.clean:
+            self.buf[:, :, :, :, self.clean : width] = 0
+            self.clean = width
 
     def release(self) -> None:
         """Free the buffer (the next `reserve` allocates a new one)."""
-        self.buf = None
+        self.buf, self.clean = None, 0
 
     def move(self, src: int, dst: int, n: int) -> None:
         """Copy the first `n` columns of slot `src` to slot `dst`."""
@@ -107,6 +117,7 @@ class _SlotLayer(CacheLayerMixin):
         c = self.cache
         if c.buf is None or key_states.dtype != c.dtype:  # autocast decides the dtype of the keys
             c.reserve(c.slots, c.capacity, key_states.dtype)
+        c.read_up_to(c.width)
         b, q = key_states.shape[0], key_states.shape[2]
         rows = torch.arange(c.first, c.first + b, device=c.cols.device)[:, None].expand(b, q)  # [b, q]
         layer = c.buf[self.index]  # [2, slots, H, capacity, D]

@@ -39,6 +39,7 @@ import functools
 import random
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -447,17 +448,15 @@ class LocalEngine:
         firsts = [g[0] for g in groups.values()]
         self._fit(len(self._running) + len(new) + 1, max(len(s.prompt) + s.budget for s in new))
         self._prefill_shared_prefix([s.prompt for s in firsts])
-        for s in firsts:
-            entry, m = self._lookup(s.prompt, len(s.prompt) - 1)
-            if entry is not None and m == len(entry.tokens):  # it continues a parked sequence: take its slot
-                self._unindex(entry)
-                b = len(self._running)
-                if entry.slot != b:
-                    self._swap(entry.slot, b)
-                self._place(s, b)
+        found = [self._lookup(s.prompt, len(s.prompt) - 1) for s in firsts]
+        claims = Counter(id(e) for e, m in found if e is not None and m == len(e.tokens))
+        for s, (entry, m) in zip(firsts, found, strict=True):
+            if entry is not None and claims[id(entry)] == 1 and m == len(entry.tokens):
+                self._take_over(entry, s)  # it continues a parked sequence (the last prompt that does)
             else:
                 self._place(s, self._open_running_slot())
                 if entry is not None:  # a shared beginning: copy those keys
+                    claims[id(entry)] -= m == len(entry.tokens)
                     self._slots().move(entry.slot, s.slot, m)
                     self._clock += 1
                     entry.stamp = self._clock
@@ -473,6 +472,14 @@ class LocalEngine:
                 self._running.append(s)
                 rows.append(i)
         return logits[torch.tensor(rows, device=logits.device)]
+
+    def _take_over(self, entry: _Parked, s: _Seq) -> None:
+        """`s` gets `entry`'s slot, keys and all, as the next running slot."""
+        self._unindex(entry)
+        b = len(self._running)
+        if entry.slot != b:
+            self._swap(entry.slot, b)
+        self._place(s, b)
 
     def _prefill_shared_prefix(self, prompts: list[list[int]]) -> None:
         """Prefill the prefix all new prompts share once and park it, so each prompt copies its keys.

@@ -1,0 +1,175 @@
+"""Engines side by side on one multi-turn workload: the previous `LocalEngine`, today's, and vLLM's CPU engine.
+
+The workload is what an RL rollout asks of an engine. For each task kind, `--tasks` trajectories run
+concurrently (each its own coroutine, as in `AgentEnvLoop`) for `--turns` turns:
+
+* turn 1 samples from the task's real first prompt (system prompt, tool schema, question);
+* after every turn, the real tool's result is appended, rendered as `ToolEnv` renders it: the
+  calculator's value of the problem, or the BM25 search results for the question cut to 256 tokens.
+  The next prompt is the previous prompt + the sampled ids + that tool turn, token for token.
+
+Every trajectory runs every turn whatever the model wrote (the untrained model rarely calls a tool on
+its own), so each engine gets the same number of turns and a context that grows the same way.
+Sampling is T = 1 with the tasks' stop strings and a per-request seed.
+
+"previous" is `LocalEngine` as it was at `--baseline` (default: the commit before continuous
+batching), loaded from git into a module of its own, so all engines run in one process on one model,
+and run as it ran then (without `TRANSFORMERS_SDPA_FORCE_GQA`, which `use_onednn` now sets).
+
+    python benchmarks/engines.py [--engines previous,local,vllm] [--kinds calculator,search]
+                                 [--tasks 64] [--turns 3] [--max-new-tokens 64] [--baseline REV]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import importlib.util
+import os
+import platform
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+from agent_r1.env.prompt_format import prompt_format_for
+from agent_r1.env.tool_calls import format_tool_responses
+from agent_r1.env.tool_env import truncate_to_tokens
+from agent_r1.models.loading import is_chat_model, load_model, resolve_model_path
+from agent_r1.rollout.engine import SamplingParams
+from agent_r1.rollout.local_engine import LocalEngine
+from agent_r1.tasks import calculator, hotpotqa
+
+ROOT = Path(__file__).resolve().parents[1]
+BASELINE = "53a1f39"  # the last commit with the batch-at-a-time engine
+
+
+def previous_engine_class(rev: str) -> type:
+    """`LocalEngine` (and the KV cache it imports) as they were at git revision `rev`."""
+    package = types.ModuleType("agent_r1_previous")
+    package.__path__ = []
+    sys.modules["agent_r1_previous"] = package
+    for name in ("kv_cache", "local_engine"):
+        source = subprocess.run(
+            ["git", "show", f"{rev}:agent_r1/rollout/{name}.py"], cwd=ROOT, check=True, capture_output=True, text=True
+        ).stdout
+        source = source.replace("from agent_r1.rollout.kv_cache import", "from agent_r1_previous.kv_cache import")
+        spec = importlib.util.spec_from_loader(f"agent_r1_previous.{name}", loader=None)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        exec(compile(source, f"{rev}:{name}.py", "exec"), module.__dict__)
+    return sys.modules["agent_r1_previous.local_engine"].LocalEngine
+
+
+def workload(kind: str, n: int, fmt, tokenizer):
+    """(first prompts, a function giving trajectory i's tool output, stop strings) for a task kind."""
+    if kind == "calculator":
+        env = calculator.make_env(calculator.Options(), fmt)
+        tasks = calculator.make_tasks(n, split="test")
+        return [asyncio.run(env.reset(t)).token_ids for t in tasks], lambda i: str(tasks[i]["answer"]), env.stop
+    options = hotpotqa.Options()
+    env = hotpotqa.make_env(options, fmt)
+    tasks = hotpotqa.load(split="test", n=n)
+    search = env.tools["search"].fn
+
+    def result(i: int) -> str:
+        return truncate_to_tokens(search(tasks[i]["question"]), tokenizer, options.max_tool_tokens)[0]
+
+    return [asyncio.run(env.reset(t)).token_ids for t in tasks], result, env.stop
+
+
+async def run_trajectories(engine, prompts, tool_output, fmt, params: SamplingParams, turns: int) -> dict:
+    """Every trajectory, concurrently, for `turns` turns; returns what was sampled and prefilled."""
+    sampled, contexts = [0], []
+
+    async def trajectory(i: int) -> None:
+        prompt = prompts[i]
+        for turn in range(turns):
+            seeded = dataclasses.replace(params, seed=1000 * i + turn)
+            (out,) = await engine.generate([prompt], seeded)
+            sampled[0] += len(out.token_ids)
+            if turn + 1 < turns:
+                tool_turn = [{"role": "user", "content": format_tool_responses([tool_output(i)])}]
+                prompt = prompt + out.token_ids + fmt.continuation(tool_turn, after_eos=out.finish_reason == "eos")
+        contexts.append(len(prompt) + len(out.token_ids))
+
+    await asyncio.gather(*(trajectory(i) for i in range(len(prompts))))
+    return {"sampled": sampled[0], "context": sum(contexts) / len(contexts)}
+
+
+def bench(engine, prompts, tool_output, fmt, params, turns) -> dict:
+    stats = dict(getattr(engine, "stats", {}))
+    previous = type(engine).__module__.startswith("agent_r1_previous")
+    gqa = os.environ.pop("TRANSFORMERS_SDPA_FORCE_GQA", None) if previous else None  # as it ran then
+    start = time.perf_counter()
+    try:
+        r = asyncio.run(run_trajectories(engine, prompts, tool_output, fmt, params, turns))
+    finally:
+        if gqa is not None:
+            os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = gqa
+    r["seconds"] = time.perf_counter() - start
+    after = getattr(engine, "stats", {})
+    r["prefilled"] = after.get("prefilled", 0) - stats.get("prefilled", 0)
+    r["reused"] = after.get("reused", 0) - stats.get("reused", 0)
+    if hasattr(engine, "sleep") and isinstance(engine, LocalEngine):
+        engine.sleep()  # as the trainer does between rollouts: nothing kept from the previous run
+    return r
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--engines", default="previous,local,vllm", help="comma-separated: previous, local, vllm")
+    parser.add_argument("--kinds", default="calculator,search")
+    parser.add_argument("--tasks", type=int, default=64, help="trajectories, all concurrent (the batch)")
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--baseline", default=BASELINE, help="git revision of the previous engine")
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+
+    model, tokenizer = load_model(args.model)
+    fmt = prompt_format_for(tokenizer, chat=is_chat_model(args.model, tokenizer))
+    print(f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}")
+    print(f"model {args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, fp32")
+    print(f"{args.tasks} trajectories at once x {args.turns} turns, <= {args.max_new_tokens} new tokens a turn, T=1")
+    engines = {}
+    for name in args.engines.split(","):
+        if name == "previous":
+            engines[name] = previous_engine_class(args.baseline)(model, tokenizer, max_batch_size=args.tasks, seed=0)
+        elif name == "local":
+            engines[name] = LocalEngine(model, tokenizer, max_batch_size=args.tasks, seed=0)
+        elif name == "vllm":
+            from agent_r1.rollout.vllm_engine import VLLMEngine
+
+            start = time.perf_counter()
+            engines[name] = VLLMEngine(resolve_model_path(args.model), seed=0, max_num_seqs=args.tasks)
+            print(f"vLLM started in {time.perf_counter() - start:.1f} s")
+        else:
+            raise SystemExit(f"unknown engine {name!r}: previous, local or vllm")
+    rows = []
+    for kind in args.kinds.split(","):
+        prompts, tool_output, stop = workload(kind, args.tasks, fmt, tokenizer)
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, stop=tuple(stop))
+        print(f"{kind}: first prompts {sum(map(len, prompts)) / len(prompts):.0f} tokens on average")
+        for name, engine in engines.items():
+            bench(engine, prompts[:4], tool_output, fmt, params, 1)  # warm-up: kernels, allocations
+            r = bench(engine, prompts, tool_output, fmt, params, args.turns)
+            rows.append((kind, name, r))
+            print(f"  {name:9} {r['seconds']:7.1f} s  {r['sampled'] / r['seconds']:6.1f} sampled tok/s", flush=True)
+    print("\n| task | engine | seconds | sampled tokens | sampled tok/s | turns/s | context | prefilled | reused |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for kind, name, r in rows:
+        turns = args.tasks * args.turns / r["seconds"]
+        print(
+            f"| {kind} | {name} | {r['seconds']:.1f} | {r['sampled']:,} | {r['sampled'] / r['seconds']:.1f} | "
+            f"{turns:.2f} | {r['context']:.0f} | {r['prefilled'] or '-'} | {r['reused'] or '-'} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
