@@ -98,8 +98,9 @@ class RolloutWorker:
 
             model, tokenizer = load_model(model, device="auto", dtype=options["dtype"])
         self.engine = LocalEngine(
-            model.eval(), tokenizer, max_batch_size=options["max_batch_size"], seed=options["seed"]
-        )
+            model.eval(), tokenizer, max_batch_size=options["max_batch_size"], seed=options["seed"],
+            kv_cache_gb=options["kv_cache_gb"],
+        )  # fmt: skip
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
         return self.engine.load_weights(state, version)
@@ -144,7 +145,12 @@ class RayRollout:
         if rollout.engine == "vllm":
             options = rollout.vllm_options(dtype, seed)
         else:
-            options = {"max_batch_size": rollout.max_batch_size, "seed": seed, "dtype": dtype}
+            options = {
+                "max_batch_size": rollout.max_batch_size,
+                "seed": seed,
+                "dtype": dtype,
+                "kv_cache_gb": rollout.kv_cache_gb,
+            }
         actor = self.ray.remote(num_cpus=cluster.worker_cpus, num_gpus=cluster.worker_gpus, max_restarts=-1)(
             RolloutWorker
         )

@@ -98,7 +98,7 @@ class LocalEngine:
         batch_wait_s: float = 0.002,
         min_shared_prefix: int = 16,
         kv_cache_gb: float = 4.0,
-        max_prefill_tokens: int = 8192,
+        max_prefill_tokens: int = 2048,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -112,8 +112,12 @@ class LocalEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
         self._seeds = random.Random(seed)
         self.weights_version = 0  # bumped by every load_weights
-        # prompt tokens computed / whose keys were already held, decode steps, rows whose caller went away
-        self.stats = {"prefilled": 0, "reused": 0, "decode_steps": 0, "aborted": 0}
+        # prompt tokens computed / whose keys were already held, decode steps and the tokens they fed,
+        # seconds in prefill and decode forward passes, rows whose caller went away
+        self.stats = {
+            "prefilled": 0, "reused": 0, "decode_steps": 0, "decoded": 0, "prefill_s": 0.0, "decode_s": 0.0,
+            "aborted": 0,
+        }  # fmt: skip
         # shared with callers' threads, under _cond
         self._cond = threading.Condition()
         self._waiting: list[_Seq] = []
@@ -350,7 +354,7 @@ class LocalEngine:
         need = slots + len(self._parked)
         if need <= cache.slots and cap <= cache.capacity:
             return
-        cache.reserve(max(need, min(2 * cache.slots, most)), cap)
+        cache.reserve(max(need, min(2 * cache.slots, self.max_batch_size + 1, most)), cap)
         self._slot += [None] * (cache.slots - len(self._slot))
 
     def _place(self, owner: _Seq | _Parked, slot: int) -> None:
@@ -449,6 +453,10 @@ class LocalEngine:
         self._fit(len(self._running) + len(new) + 1, max(len(s.prompt) + s.budget for s in new))
         self._prefill_shared_prefix([s.prompt for s in firsts])
         found = [self._lookup(s.prompt, len(s.prompt) - 1) for s in firsts]
+        # rows of like held and new lengths side by side: a prefill chunk pads to its longest row
+        order = sorted(range(len(firsts)), key=lambda i: (found[i][1], len(firsts[i].prompt) - found[i][1]))
+        groups_list = list(groups.values())
+        groups_list, firsts, found = ([x[i] for i in order] for x in (groups_list, firsts, found))
         claims = Counter(id(e) for e, m in found if e is not None and m == len(e.tokens))
         for s, (entry, m) in zip(firsts, found, strict=True):
             if entry is not None and claims[id(entry)] == 1 and m == len(entry.tokens):
@@ -464,7 +472,7 @@ class LocalEngine:
             self._running.append(s)
         logits = self._prefill(firsts)  # [u, V]
         rows = list(range(len(firsts)))
-        for i, group in enumerate(groups.values()):  # a GRPO group: one prefill, a copy of its keys per row
+        for i, group in enumerate(groups_list):  # a GRPO group: one prefill, a copy of its keys per row
             for s in group[1:]:
                 self._place(s, self._open_running_slot())
                 self._slots().move(group[0].slot, s.slot, len(s.prompt))
@@ -539,6 +547,7 @@ class LocalEngine:
         kv = torch.arange(W, device=dev)[None, None]  # [1, 1, W]
         sees = torch.where(pad[..., None], kv == 0, kv <= positions[..., None])  # [u, S, W]
         cache.first, cache.cols, cache.width = seqs[0].slot, cols, W
+        start = time.perf_counter()
         out = self.model(
             input_ids=ids,
             position_ids=positions,
@@ -547,6 +556,7 @@ class LocalEngine:
             use_cache=True,
             logits_to_keep=1,
         )
+        self.stats["prefill_s"] += time.perf_counter() - start
         for s in seqs:
             self.stats["reused"] += s.n
             self.stats["prefilled"] += len(s.prompt) - s.n
@@ -561,6 +571,7 @@ class LocalEngine:
         W = int(n.max()) + 1
         cache.first, cache.cols, cache.width = 0, n[:, None], W
         sees = torch.arange(W, device=dev)[None, None] <= n[:, None, None]  # [b, 1, W]
+        start = time.perf_counter()
         out = self.model(
             input_ids=last[:, None],
             position_ids=n[:, None],
@@ -568,10 +579,13 @@ class LocalEngine:
             past_key_values=cache,
             use_cache=True,
         )
+        logits = out.logits[:, -1, :]
+        self.stats["decode_s"] += time.perf_counter() - start
         for s in rows:
             s.n += 1
         self.stats["decode_steps"] += 1
-        return out.logits[:, -1, :]
+        self.stats["decoded"] += len(rows)
+        return logits
 
     def _mask(self, sees: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         """The 4D mask [b, 1, q, W] transformers uses as given; models with sliding-window layers

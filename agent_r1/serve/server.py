@@ -39,7 +39,10 @@ class ServeConfig:
     request_timeout: float = 300.0
     """seconds before a request is cancelled (504)"""
     batch_wait_ms: float = 2.0
-    """how long the engine waits for more requests to join a batch"""
+    """how long an idle engine waits for more requests to arrive and be prefilled together"""
+    kv_cache_gb: float = 4.0
+    """KV memory for running requests and for finished ones kept for a continuation (evicted first);
+    requests wait for room rather than exceed it"""
     seed: int = 0
     """seed of requests that set none"""
     prompt_format: Literal["auto", "chat", "text"] = "auto"
@@ -55,8 +58,10 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if self.max_batch_size < 1 or self.max_tokens < 1 or self.request_timeout <= 0 or self.max_request_mb <= 0:
-            raise ValueError("max_batch_size, max_tokens, request_timeout and max_request_mb must be positive")
+        if min(self.max_batch_size, self.max_tokens, self.request_timeout, self.max_request_mb, self.kv_cache_gb) <= 0:
+            raise ValueError(
+                "max_batch_size, max_tokens, request_timeout, max_request_mb and kv_cache_gb must be positive"
+            )
 
     @property
     def served_name(self) -> str:
@@ -71,7 +76,7 @@ def run_serve(cfg: ServeConfig) -> None:
     chat = is_chat_model(cfg.model, tokenizer) if cfg.prompt_format == "auto" else cfg.prompt_format == "chat"
     engine = LocalEngine(
         model, tokenizer, max_batch_size=cfg.max_batch_size, max_context=cfg.max_context, seed=cfg.seed,
-        batch_wait_s=cfg.batch_wait_ms / 1000,
+        batch_wait_s=cfg.batch_wait_ms / 1000, kv_cache_gb=cfg.kv_cache_gb,
     )  # fmt: skip
     served = ServedModel(
         engine, tokenizer, prompt_format_for(tokenizer, chat=chat), cfg.served_name,

@@ -45,6 +45,9 @@ class RolloutConfig:
     """nucleus sampling mass"""
     max_batch_size: int = 64
     """rows the engine decodes together"""
+    kv_cache_gb: float = 4.0
+    """rollout.engine=local: KV memory for running rows and for finished turns kept for the next one
+    (evicted first, then rows wait); freed for the update"""
     engine: Literal["local", "remote", "vllm"] = "local"
     """local: the trainer's own model object samples (no copy, no weight sync); vllm: vLLM in this
     process; remote: an OpenAI-compatible server that speaks token ids (vllm serve, agent-r1 serve).
@@ -243,6 +246,7 @@ class TrainConfig:
             (r.engine != "remote" or r.url, "rollout.engine=remote needs rollout.url (the server's base URL)"),
             (0 < r.vllm.gpu_memory_utilization <= 1, "rollout.vllm.gpu_memory_utilization must be in (0, 1]"),
             ((r.vllm.kv_cache_gb or 1) > 0, f"rollout.vllm.kv_cache_gb must be > 0, got {r.vllm.kv_cache_gb}"),
+            (r.kv_cache_gb > 0, f"rollout.kv_cache_gb must be > 0, got {r.kv_cache_gb}"),
             (a.tis_cap == 0 or a.tis_cap >= 1, f"algo.tis_cap must be 0 (off) or >= 1, got {a.tis_cap}"),
             (
                 not (self.val.every and getattr(self.task.options, "data", None) and "data" not in self.val.task),

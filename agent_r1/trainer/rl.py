@@ -316,14 +316,14 @@ def _engine(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, run_dir: 
     rollout workers, `rollout.engine` is theirs."""
     r = cfg.rollout
     if cfg.cluster.rollout_workers:  # Ray workers roll out; this engine only validates, over `policy` itself
-        return LocalEngine(policy, tokenizer, max_batch_size=r.max_batch_size, seed=cfg.seed)
+        return LocalEngine(policy, tokenizer, max_batch_size=r.max_batch_size, seed=cfg.seed, kv_cache_gb=r.kv_cache_gb)
     if r.engine == "remote":
         return RemoteEngine(r.url, sync_dir=str(run_dir / "weight_sync"))
     if r.engine == "vllm":
         cuda = model_device(policy).type == "cuda"
         path = _engine_source(cfg, policy, tokenizer, run_dir, from_config)
         return VLLMEngine(path, sleep=r.vllm.sleep and cuda, **r.vllm_options(cfg.dtype, cfg.seed))
-    return LocalEngine(policy, tokenizer, max_batch_size=r.max_batch_size, seed=cfg.seed)
+    return LocalEngine(policy, tokenizer, max_batch_size=r.max_batch_size, seed=cfg.seed, kv_cache_gb=r.kv_cache_gb)
 
 
 def _engine_source(

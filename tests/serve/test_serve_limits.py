@@ -160,3 +160,29 @@ def test_health_counts_generating_requests_until_a_client_leaves(served, tokeniz
                 break
             asyncio.run(asyncio.sleep(0.01))
         assert http.get("/health").json()["generating"] == 0
+
+
+async def test_requests_wait_for_kv_memory_instead_of_exceeding_it(tiny_model, tokenizer):
+    """A KV budget of three 256-token slots and 12 concurrent chats: the engine runs a few at a time,
+    never holds more than the budget, and answers every request as an unconstrained engine does."""
+    per_token = 2 * 2 * 2 * 16 * 4  # layers x (k, v) x kv heads x head dim x fp32 bytes
+    budget_gb = 3 * 256 * per_token / 2**30
+    questions = [f"What is {i} * {i + 3}?" for i in range(12)]
+    answers = {}
+    for name, gb in (("tight", budget_gb), ("roomy", 4.0)):
+        engine = LocalEngine(tiny_model, tokenizer, max_context=1024, max_batch_size=8, seed=0, kv_cache_gb=gb)
+        served = ServedModel(engine, tokenizer, ChatFormat(tokenizer), NAME, request_timeout=60.0)
+        held = []
+        hook = tiny_model.register_forward_pre_hook(lambda *_: held.append(engine._cache.buf.nbytes))
+        try:
+            transport = httpx.ASGITransport(app=create_app(served))
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+                asks = [ASK | {"messages": [{"role": "user", "content": q}], "max_tokens": 8} for q in questions]
+                rs = await asyncio.gather(*(client.post("/v1/chat/completions", json=a) for a in asks))
+        finally:
+            hook.remove()
+        assert [r.status_code for r in rs] == [200] * 12
+        answers[name] = [r.json()["choices"][0]["message"]["content"] for r in rs]
+        if name == "tight":
+            assert max(held) <= engine.kv_cache_bytes
+    assert answers["tight"] == answers["roomy"]
