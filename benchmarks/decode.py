@@ -65,8 +65,9 @@ def main() -> None:
     context = args.prompt_tokens + args.new_tokens / 2  # the average context a decoded token attends to
     flops = tokens * (2 * matmul_params + 4 * cfg.num_hidden_layers * hidden * context)
     gflops = flops / seconds / 1e9
-    print(f"decode: {args.rows} rows, {tokens} tokens in {seconds:.2f} s of decode passes = {tokens / seconds:.0f} tok/s")
-    print(f"        {gflops:.0f} GFLOP/s = {gflops / peak:.0%} of the 1024-row ceiling, {gflops / at_rows:.0%} of {args.rows} rows'")
+    print(f"decode: {args.rows} rows, {tokens} tokens in {seconds:.2f} s of decode: {tokens / seconds:.0f} tok/s")
+    share = f"{gflops / peak:.0%} of the 1024-row rate, {gflops / at_rows:.0%} of the {args.rows}-row one"
+    print(f"        {gflops:.0f} GFLOP/s: {share}")
 
 
 if __name__ == "__main__":

@@ -54,19 +54,19 @@ class SlotCache(Cache):
         return len(self.layers) * 2 * self.kv_heads * self.head_dim * item
 
     def reserve(self, slots: int, capacity: int, dtype: torch.dtype | None = None) -> None:
-        """Room for at least `slots` sequences of `capacity` tokens; growing copies what is held."""
+        """Reallocate to exactly `slots` sequences of at least `capacity` tokens (capacity never
+        shrinks); the slots both buffers have keep what they hold."""
         dtype = dtype or self.dtype or torch.float32
-        if self.buf is not None and slots <= self.slots and capacity <= self.capacity and dtype == self.dtype:
+        capacity = max(capacity, self.capacity)
+        if self.buf is not None and (slots, capacity, dtype) == (self.slots, self.capacity, self.dtype):
             return
         new = torch.empty(
-            (len(self.layers), 2, max(slots, self.slots), self.kv_heads, max(capacity, self.capacity), self.head_dim),
-            dtype=dtype,
-            device=self.device,
+            (len(self.layers), 2, slots, self.kv_heads, capacity, self.head_dim), dtype=dtype, device=self.device
         )
-        old = self.slots
+        keep = min(slots, self.slots)
         if self.buf is not None:
-            new[:, :, :old, :, : self.clean] = self.buf[:, :, :, :, : self.clean]
-        new[:, :, old:, :, : self.clean] = 0
+            new[:, :, :keep, :, : self.clean] = self.buf[:, :, :keep, :, : self.clean]
+        new[:, :, keep:, :, : self.clean] = 0
         self.buf, self.dtype = new, dtype
 
     def read_up_to(self, width: int) -> None:

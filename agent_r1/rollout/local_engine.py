@@ -348,14 +348,15 @@ class LocalEngine:
         cache = self._slots()
         cap = max(cache.capacity, _round_up(columns))
         per_slot = cap * cache.bytes_per_token()
-        most = min(self.kv_cache_bytes // per_slot, 2 * self.max_batch_size + 1)  # slots, running and parked
+        # parked keys live in slots the running batch leaves free: the buffer never grows for them
+        most = max(slots, min(self.kv_cache_bytes // per_slot, self.max_batch_size + 1))
         while self._parked and slots + len(self._parked) > most:
             self._evict(min(self._parked, key=lambda e: e.stamp))
         need = slots + len(self._parked)
         if need <= cache.slots and cap <= cache.capacity:
             return
-        cache.reserve(max(need, min(2 * cache.slots, self.max_batch_size + 1, most)), cap)
-        self._slot += [None] * (cache.slots - len(self._slot))
+        cache.reserve(max(need, min(2 * cache.slots, most)), cap)
+        self._slot = (self._slot + [None] * cache.slots)[: cache.slots]
 
     def _place(self, owner: _Seq | _Parked, slot: int) -> None:
         self._slot[slot] = owner
