@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -85,8 +86,12 @@ def workload(kind: str, n: int, fmt, tokenizer):
 async def run_trajectories(engine, prompts, tool_output, fmt, params: SamplingParams, turns: int) -> dict:
     """Every trajectory, concurrently, for `turns` turns; returns what was sampled and prefilled."""
     sampled, contexts = [0], []
+    cohort = getattr(engine, "cohort", None)  # as AgentEnvLoop does: batches that do not depend on timing
+    members = cohort(len(prompts)) if cohort else contextlib.nullcontext()
 
     async def trajectory(i: int) -> None:
+        if cohort:
+            together.join()
         prompt = prompts[i]
         for turn in range(turns):
             seeded = dataclasses.replace(params, seed=1000 * i + turn)
@@ -96,8 +101,11 @@ async def run_trajectories(engine, prompts, tool_output, fmt, params: SamplingPa
                 tool_turn = [{"role": "user", "content": format_tool_responses([tool_output(i)])}]
                 prompt = prompt + out.token_ids + fmt.continuation(tool_turn, after_eos=out.finish_reason == "eos")
         contexts.append(len(prompt) + len(out.token_ids))
+        if cohort:
+            together.leave()
 
-    await asyncio.gather(*(trajectory(i) for i in range(len(prompts))))
+    with members as together:
+        await asyncio.gather(*(trajectory(i) for i in range(len(prompts))))
     return {"sampled": sampled[0], "context": sum(contexts) / len(contexts)}
 
 

@@ -50,13 +50,17 @@ class AgentEnvLoop:
         for task in tasks:
             group = uuid.uuid4().hex[:12]
             trajs += [Trajectory(task=task, traj_id=f"{group}-{g}", group_id=group) for g in range(group_size)]
-        await asyncio.gather(*(self._episode(t, first_index + i) for i, t in enumerate(trajs)))
+        cohort = getattr(self.engine, "cohort", None)  # LocalEngine: batches that do not depend on timing
+        with cohort(len(trajs)) if cohort else contextlib.nullcontext() as members:
+            await asyncio.gather(*(self._episode(t, first_index + i, members) for i, t in enumerate(trajs)))
         return trajs
 
     def run_sync(self, tasks: list[dict[str, Any]], group_size: int = 1, first_index: int = 0) -> list[Trajectory]:
         return asyncio.run(self.run(tasks, group_size, first_index))
 
-    async def _episode(self, traj: Trajectory, index: int) -> None:
+    async def _episode(self, traj: Trajectory, index: int, cohort: Any = None) -> None:
+        if cohort is not None:
+            cohort.join()
         env = self.make_env()
         try:
             obs: Observation | None = await env.reset(traj.task)
@@ -78,6 +82,8 @@ class AgentEnvLoop:
             traj.termination = Termination.ERROR
             traj.error = f"{type(exc).__name__}: {exc}"[:500]
         finally:
+            if cohort is not None:
+                cohort.leave()
             if (close := getattr(env, "close", None)) is not None:
                 with contextlib.suppress(Exception):
                     await close()

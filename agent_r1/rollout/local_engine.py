@@ -26,6 +26,14 @@ between batch shapes). `generate(..., on_token=...)` reports every sampled token
 (for streaming), and a caller that is cancelled (a client that disconnected, a request that timed out)
 has its row and slot freed at the next step.
 
+Rollouts are reproducible bit for bit, which continuous batching does not give by itself: a row's
+logits differ in their last bits with the batch it shares (oneDNN's matmuls depend on the row count,
+SDPA on the key width), and which rows share a step would depend on when tool calls return. So the
+agent loop makes its trajectories a `cohort`: before it admits new sequences, the engine waits until
+every trajectory it answered has sent its next turn or ended (tool calls take milliseconds, a decode
+step ~100 ms), and admits them in the order of their seeds. The batches are then a function of the
+seeds alone, as a resumed run needs. Requests outside a cohort (serving) are admitted as they come.
+
 The decode loop runs in a worker thread, which lets the event loop run tool calls while the model
 decodes. Weights change only when no sequence is running: `load_weights` stops admitting new
 sequences, waits for the running ones to finish, then copies, so every response is sampled from one
@@ -35,12 +43,14 @@ version of the weights.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import functools
 import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +64,7 @@ TokenCallback = Callable[[int, int, float], None]  # (index of the prompt in its
 RowHook = Callable[[int, int, float], bool]  # (index of the prompt, token id, log-prob) -> keep decoding it
 BLOCK = 16  # parked tokens are indexed every BLOCK tokens (shorter matches are not looked up)
 COLUMN_STEP = 256  # slot capacity grows in steps of this many tokens
+COHORT_WAIT_S = 120.0  # longest a decode step waits for a cohort member between turns (then goes on)
 
 
 @dataclass(eq=False)
@@ -62,16 +73,53 @@ class _Seq:
 
     prompt: list[int]
     params: SamplingParams
+    seed: int
     gen: torch.Generator
     budget: int  # tokens it may sample (max_new_tokens, cut to the context)
     emit: Callable[[int, float], bool]  # every sampled token; False aborts the row
     done: Callable[[GenerateOutput | BaseException], None]
     cancelled: Callable[[], bool]
+    member: _Member | None = None  # the cohort member that asked, if any
     out_ids: list[int] = field(default_factory=list)
     out_lp: list[float] = field(default_factory=list)
     finish: str = "length"
     slot: int = -1
     n: int = 0  # columns of its slot holding keys: tokens the model has seen
+
+
+class Cohort:
+    """Callers that take turns with the engine (the agent loop's trajectories): the engine admits new
+    sequences only when none of them is between turns, so batches do not depend on timing."""
+
+    def __init__(self, engine: LocalEngine, size: int) -> None:
+        self.engine = engine
+        self.outside = size  # members answered (or not yet started) that have neither asked again nor left
+
+    def join(self) -> None:
+        """Make the calling task a member: its `generate` calls count (one member per asyncio task)."""
+        _MEMBER.set(_Member(self))
+
+    def leave(self) -> None:
+        """The calling task's member will not ask again (its trajectory ended, however it ended)."""
+        member = _MEMBER.get(None)
+        if member is None or member.cohort is not self or member.left:
+            return
+        with self.engine._cond:
+            member.left = True
+            if not member.inside:
+                self.outside -= 1
+                self.engine._cond.notify_all()
+
+
+@dataclass(eq=False)
+class _Member:
+    cohort: Cohort
+    inside: bool = False  # it has a call the engine has not answered
+    left: bool = False
+    rows: int = 0  # rows of that call still running
+
+
+_MEMBER: contextvars.ContextVar[_Member | None] = contextvars.ContextVar("agent_r1_cohort_member", default=None)
 
 
 @dataclass(eq=False)
@@ -123,6 +171,7 @@ class LocalEngine:
         self._waiting: list[_Seq] = []
         self._paused = 0  # > 0 while a weight update waits for the running sequences to finish
         self._thread: threading.Thread | None = None
+        self._cohort: Cohort | None = None
         # the decode thread's own, under _weights_lock (held while any sequence runs)
         self._weights_lock = threading.Lock()
         self._cache: SlotCache | None = None
@@ -189,6 +238,20 @@ class LocalEngine:
             raise error
         return results  # type: ignore[return-value]
 
+    @contextlib.contextmanager
+    def cohort(self, size: int) -> Iterator[Cohort]:
+        """`size` callers that will each `join()` in their own task, ask in turns and `leave()` at the
+        end: their sequences are batched deterministically (see the module docstring)."""
+        cohort = Cohort(self, size)
+        with self._cond:
+            self._cohort = cohort
+        try:
+            yield cohort
+        finally:
+            with self._cond:
+                self._cohort = None
+                self._cond.notify_all()
+
     @property
     def idle(self) -> bool:
         """No sequence waiting or running (the decode thread has exited)."""
@@ -242,40 +305,45 @@ class LocalEngine:
             raise ValueError("cannot generate from an empty prompt")
         gen = torch.Generator(device="cpu").manual_seed(seed)
         budget = min(params.max_new_tokens, self.max_context - len(prompt))
-        return _Seq(list(prompt), params, gen, budget, emit, done, cancelled)
+        return _Seq(list(prompt), params, seed, gen, budget, emit, done, cancelled)
 
     def _submit(self, seqs: list[_Seq]) -> None:
         """Queue sequences for the decode thread (started when idle); a prompt that fills the context
         has nothing to sample and is answered at once."""
+        member = _MEMBER.get(None)
+        if member is not None and member.cohort is self._cohort and seqs:
+            with self._cond:
+                if not member.inside:
+                    member.cohort.outside -= 1
+                member.inside, member.rows = True, len(seqs)
+                for s in seqs:
+                    s.member = member
+                self._cond.notify_all()
         for s in [s for s in seqs if s.budget <= 0]:
+            self._answered(s)
             s.done(self._output(s))
         with self._cond:
             self._waiting.extend(s for s in seqs if s.budget > 0)
-            if self._thread is None and self._waiting:
-                self._thread = threading.Thread(target=self._work, name="agent-r1-decode", daemon=True)
-                self._thread.start()
+            self._start_worker()
 
-    class _Pause:
-        def __init__(self, engine: LocalEngine) -> None:
-            self.engine = engine
-
-        def __enter__(self) -> None:
-            with self.engine._cond:
-                self.engine._paused += 1
-            self.engine._weights_lock.acquire()  # the decode thread holds it while sequences run
-
-        def __exit__(self, *exc) -> None:
-            e = self.engine
-            e._weights_lock.release()
-            with e._cond:
-                e._paused -= 1
-                if not e._paused and e._waiting and e._thread is None:
-                    e._thread = threading.Thread(target=e._work, name="agent-r1-decode", daemon=True)
-                    e._thread.start()
-
-    def _paused_engine(self) -> _Pause:
+    @contextlib.contextmanager
+    def _paused_engine(self) -> Iterator[None]:
         """Hold new sequences back and wait until none is running (for weight updates and freeing)."""
-        return self._Pause(self)
+        with self._cond:
+            self._paused += 1
+        try:
+            with self._weights_lock:  # the decode thread holds it while sequences run
+                yield
+        finally:
+            with self._cond:
+                self._paused -= 1
+                self._start_worker()
+
+    def _start_worker(self) -> None:
+        """Start the decode thread if there is work and none runs (the caller holds `_cond`)."""
+        if self._thread is None and self._waiting and not self._paused:
+            self._thread = threading.Thread(target=self._work, name="agent-r1-decode", daemon=True)
+            self._thread.start()
 
     # --- the decode thread ----------------------------------------------------------------------
 
@@ -311,11 +379,16 @@ class LocalEngine:
         """Sequences that join now: as many as the batch size and the KV budget allow (at least one when
         nothing runs, so a long prompt is never starved)."""
         with self._cond:
+            cohort = self._cohort
+            if cohort is not None:  # every member in the engine or gone: the batch is a function of seeds
+                self._cond.wait_for(lambda: self._cohort is not cohort or cohort.outside <= 0, COHORT_WAIT_S)
+                self._waiting.sort(key=lambda s: s.seed)
             if self._paused:
                 return []
             self._waiting = [s for s in self._waiting if not s.cancelled()]  # callers that gave up
-            b, taken, cols = len(self._running), 0, self._running_columns()
-            per_token = self._bytes_per_token()
+            b, taken = len(self._running), 0
+            cols = max((len(s.prompt) + s.budget for s in self._running), default=0)
+            per_token = self._slots().bytes_per_token()
             while taken < len(self._waiting) and b + taken < self.max_batch_size:
                 s = self._waiting[taken]
                 need = max(cols, len(s.prompt) + s.budget)
@@ -324,12 +397,6 @@ class LocalEngine:
                 taken, cols = taken + 1, need
             new, self._waiting = self._waiting[:taken], self._waiting[taken:]
             return new
-
-    def _running_columns(self) -> int:
-        return max((len(s.prompt) + s.budget for s in self._running), default=0)
-
-    def _bytes_per_token(self) -> int:
-        return self._slots().bytes_per_token()
 
     def _slots(self) -> SlotCache:
         if self._cache is None:
@@ -505,7 +572,7 @@ class LocalEngine:
         entry, m = self._lookup(first, C)
         if min(C, C - m) < self.min_shared_prefix:
             return
-        job = _Seq(first[:C], SamplingParams(), None, 0, None, None, None)  # type: ignore[arg-type]
+        job = _Seq(first[:C], SamplingParams(), 0, None, 0, None, None, None)  # type: ignore[arg-type]
         self._place(job, self._open_running_slot())
         if entry is not None:
             self._slots().move(entry.slot, job.slot, m)
@@ -621,12 +688,26 @@ class LocalEngine:
             finished.append(s)
         for s in sorted(finished, key=lambda s: -s.slot):  # from the back: each leaves a compact batch
             self._park(s)
+            self._answered(s)
             s.done(self._output(s))
+
+    def _answered(self, s: _Seq) -> None:
+        """A cohort member whose rows have all finished is between turns until it asks again or leaves."""
+        m = s.member
+        if m is None:
+            return
+        with self._cond:
+            m.rows -= 1
+            if m.rows == 0 and m.inside:
+                m.inside = False
+                if not m.left:
+                    m.cohort.outside += 1
 
     def _fail_all(self, exc: Exception, seqs: list[_Seq]) -> None:
         """A forward pass failed: every sequence in it gets the error; the engine starts clean."""
         for s in seqs:
             if s.done is not None:  # (not a shared prefix being prefilled)
+                self._answered(s)
                 s.done(exc)
         self._release()
 
@@ -691,18 +772,10 @@ def _resolve_threadsafe(loop: asyncio.AbstractEventLoop, future: asyncio.Future,
 
 
 def _call_threadsafe(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
-    with _suppress_closed_loop():
+    """Run `fn(*args)` on `loop`, unless the loop has closed: a caller whose loop is gone (a finished
+    rollout) no longer needs its answer."""
+    with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(fn, *args)
-
-
-class _suppress_closed_loop:
-    """A caller whose event loop has closed (a finished rollout) no longer needs its answer."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, exc, tb) -> bool:
-        return kind is RuntimeError and "closed" in str(exc)
 
 
 def _sample(

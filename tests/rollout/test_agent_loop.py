@@ -147,3 +147,33 @@ def test_loop_with_tool_env_and_echo_tool(tokenizer):
     assert t.steps[0].info["tool_results"][0]["output"] == "ping-42"
     (row,) = merge_trajectories([t])
     assert "<tool_response>\nping-42\n</tool_response>" in tokenizer.decode(row.input_ids)
+
+
+class SlowToolEnv(ChattyEnv):
+    """ChattyEnv whose every step takes a random 0-30 ms (drawn from an unseeded generator), like a
+    real tool: which trajectories are back first differs from run to run."""
+
+    async def step(self, action):
+        import asyncio
+        import random
+
+        await asyncio.sleep(random.random() * 0.03)
+        return await super().step(action)
+
+
+def test_rollouts_do_not_depend_on_when_tools_return(tiny_model, tokenizer):
+    """Rows' logits differ in their last bits with the batch they share, so a resumed run equals an
+    uninterrupted one only if batches do not depend on timing: the loop's trajectories are a cohort."""
+    from agent_r1.rollout.local_engine import LocalEngine
+
+    def rollout():
+        engine = LocalEngine(tiny_model, tokenizer, seed=0, max_context=1024)
+        loop = AgentEnvLoop(
+            engine, lambda: SlowToolEnv(tokenizer, turns=4), SamplingParams(max_new_tokens=10, temperature=1.0), seed=3
+        )
+        trajs = loop.run_sync(TASKS * 3, group_size=2)
+        return [(s.prompt_ids, s.response_ids, s.response_logprobs) for t in trajs for s in t.steps]
+
+    first, second = rollout(), rollout()
+    assert len(first) == 3 * 3 * 2 * 4
+    assert first == second  # token ids and log-probs, bit for bit
