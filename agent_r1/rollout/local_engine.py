@@ -409,16 +409,17 @@ class LocalEngine:
 
     # --- slots ----------------------------------------------------------------------------------
 
-    def _fit(self, slots: int, columns: int) -> None:
-        """Room for `slots` running slots plus the parked ones, `columns` long, in the KV budget:
-        evicts parked slots (least recently used first) until it fits, then grows the buffer."""
+    def _fit(self, slots: int, columns: int, keep: set[_Parked] = frozenset()) -> None:
+        """Room for `slots` new or running slots plus the parked ones, `columns` long, in the KV budget:
+        evicts parked slots (least recently used first, never those in `keep`) until it fits, then
+        grows the buffer."""
         cache = self._slots()
         cap = max(cache.capacity, _round_up(columns))
         per_slot = cap * cache.bytes_per_token()
         # parked keys live in slots the running batch leaves free: the buffer never grows for them
         most = max(slots, min(self.kv_cache_bytes // per_slot, self.max_batch_size + 1))
-        while self._parked and slots + len(self._parked) > most:
-            self._evict(min(self._parked, key=lambda e: e.stamp))
+        while (evictable := [e for e in self._parked if e not in keep]) and slots + len(self._parked) > most:
+            self._evict(min(evictable, key=lambda e: e.stamp))
         need = slots + len(self._parked)
         if need <= cache.slots and cap <= cache.capacity:
             return
@@ -518,7 +519,11 @@ class LocalEngine:
         for s in new:
             groups.setdefault(tuple(s.prompt), []).append(s)
         firsts = [g[0] for g in groups.values()]
-        self._fit(len(self._running) + len(new) + 1, max(len(s.prompt) + s.budget for s in new))
+        hits = [self._lookup(s.prompt, len(s.prompt) - 1) for s in firsts]
+        continued = {e for e, m in hits if e is not None and m == len(e.tokens)}
+        # rows that take a parked slot over need no new one, and their slots must not be evicted for them
+        slots = len(self._running) + len(new) - len(continued) + 1  # + 1 for a shared prefix
+        self._fit(slots, max(len(s.prompt) + s.budget for s in new), keep=continued)
         self._prefill_shared_prefix([s.prompt for s in firsts])
         found = [self._lookup(s.prompt, len(s.prompt) - 1) for s in firsts]
         # rows of like held and new lengths side by side: a prefill chunk pads to its longest row

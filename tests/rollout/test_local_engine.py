@@ -310,3 +310,17 @@ def test_changed_weights_drop_the_kept_keys(tokenizer):
     assert engine._parked == []
     (after,) = gen(engine, [nxt + again.token_ids], max_new_tokens=8, temperature=0.0)
     assert_logprobs_match_a_plain_forward(other, [nxt + again.token_ids], [after])
+
+
+def test_a_full_batch_of_next_turns_keeps_every_parked_slot(tiny_model, tokenizer):
+    """As many trajectories as the batch holds: every next turn continues a parked slot, and none of
+    those slots is evicted to make room for the very rows that continue them."""
+    engine = LocalEngine(tiny_model, tokenizer, seed=0, max_context=1024, max_batch_size=4)
+    turn1 = [tokenizer.encode(SYSTEM + q) for q in ("Hi", "2+2", "Name a colour", "Why?")]
+    outs = gen(engine, turn1, max_new_tokens=6, temperature=1.0)
+    tool = tokenizer.encode(" ok, go on:")
+    turn2 = [p + o.token_ids + tool for p, o in zip(turn1, outs, strict=True)]
+    before = dict(engine.stats)
+    outs2 = gen(engine, turn2, max_new_tokens=6, temperature=1.0)
+    assert engine.stats["prefilled"] - before["prefilled"] == 4 * (len(tool) + 1)
+    assert_logprobs_match_a_plain_forward(tiny_model, turn2, outs2)
