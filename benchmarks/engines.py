@@ -123,7 +123,7 @@ def bench(engine, prompts, tool_output, fmt, params, turns) -> dict:
     after = getattr(engine, "stats", {})
     r["prefilled"] = after.get("prefilled", 0) - stats.get("prefilled", 0)
     r["reused"] = after.get("reused", 0) - stats.get("reused", 0)
-    if hasattr(engine, "sleep") and isinstance(engine, LocalEngine):
+    if isinstance(engine, LocalEngine):
         engine.sleep()  # as the trainer does between rollouts: nothing kept from the previous run
     return r
 
