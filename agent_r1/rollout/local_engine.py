@@ -521,12 +521,12 @@ class LocalEngine:
         firsts = [g[0] for g in groups.values()]
         hits = [self._lookup(s.prompt, len(s.prompt) - 1) for s in firsts]
         continued = {e for e, m in hits if e is not None and m == len(e.tokens)}
-        # rows that take a parked slot over need no new one; no entry a new row uses is evicted for it
+        # rows that take a parked slot over need no new one, and their slots must not be evicted for them
         slots = len(self._running) + len(new) - len(continued) + 1  # + 1 for a shared prefix
-        self._fit(slots, max(len(s.prompt) + s.budget for s in new), keep={e for e, _ in hits if e is not None})
-        if self._prefill_shared_prefix([s.prompt for s in firsts]):  # a new parked entry: look again
-            hits = [self._lookup(s.prompt, len(s.prompt) - 1) for s in firsts]
-        found = hits
+        self._fit(slots, max(len(s.prompt) + s.budget for s in new), keep=continued)
+        self._prefill_shared_prefix([s.prompt for s in firsts])
+        # look again: making room may have evicted a partial match, the shared prefix may be new
+        found = [self._lookup(s.prompt, len(s.prompt) - 1) for s in firsts]
         # rows of like held and new lengths side by side: a prefill chunk pads to its longest row
         order = sorted(range(len(firsts)), key=lambda i: (found[i][1], len(firsts[i].prompt) - found[i][1]))
         groups_list = list(groups.values())
@@ -563,21 +563,21 @@ class LocalEngine:
             self._swap(entry.slot, b)
         self._place(s, b)
 
-    def _prefill_shared_prefix(self, prompts: list[list[int]]) -> bool:
+    def _prefill_shared_prefix(self, prompts: list[list[int]]) -> None:
         """Prefill the prefix all new prompts share once and park it, so each prompt copies its keys.
 
         Agent prompts repeat a long system prompt, tool schemas and few-shot examples. Skipped when it
         is shorter than `min_shared_prefix` or already parked. Each prompt keeps at least one token of
-        its own to produce its logits. Returns whether it prefilled one.
+        its own to produce its logits.
         """
         if len(prompts) < 2:
-            return False
+            return
         first, C = prompts[0], min(len(p) for p in prompts) - 1
         for p in prompts[1:]:
             C = next((k for k in range(C) if p[k] != first[k]), C)
         entry, m = self._lookup(first, C)
         if min(C, C - m) < self.min_shared_prefix:
-            return False
+            return
         job = _Seq(first[:C], SamplingParams(), 0, None, 0, None, None, None)  # type: ignore[arg-type]
         self._place(job, self._open_running_slot())
         if entry is not None:
@@ -586,7 +586,6 @@ class LocalEngine:
         self._running.append(job)
         self._prefill([job], logits=False)
         self._park(job)
-        return True
 
     def _prefill(self, seqs: list[_Seq], logits: bool = True) -> torch.Tensor | None:
         """Compute the keys of each sequence's prompt past the n it already holds; return the last
