@@ -12,7 +12,9 @@ measures reading apart from searching.
 Reported per arm: EM and F1 with bootstrap 95% intervals; the paired difference to `sft` with its
 interval; each tool's calls per episode; the share of supporting paragraphs read by the end of each
 turn; EM among the episodes that read both; how the episodes ended. An arm already evaluated in --out
-is not run again (delete its directory to redo it), so arms can run one at a time.
+is not run again (delete its directory to redo it), so arms can run one at a time. An RL arm resumes
+from its newest checkpoint: an arm's `rl/` directory copied into a new --out, run with a larger
+`rl.steps`, trains it further from where it stopped.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -38,8 +39,8 @@ RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "hotpotqa.yaml"
 ARMS = {
     "sft": None,  # the cold start, evaluated as is
     "oracle": None,  # the cold start with the gold paragraphs in the prompt
-    "grpo": ["rl.algo.estimator=grpo"],  # trajectory level: every turn gets the episode's advantage
-    "gigpo": ["rl.algo.estimator=gigpo", "rl.algo.gamma=0.95"],  # + step groups of equal tool results
+    "grpo": ["rl.algo.estimator=grpo", "rl.task.process_reward=false"],  # every turn: the episode's advantage
+    "gigpo": ["rl.algo.estimator=gigpo", "rl.algo.gamma=0.95", "rl.task.process_reward=false"],  # + step groups
     "turn_grpo": [  # per-turn returns-to-go, with a process reward for each supporting page read
         "rl.algo.estimator=turn_grpo",
         "rl.task.process_reward=true",
@@ -64,9 +65,11 @@ def run_arm(name: str, sft: str, out: Path, num_tasks: int, extra: list[str], co
     arm_dir.mkdir(parents=True, exist_ok=True)
     model, train_s = sft, 0.0
     if ARMS[name] is not None:
-        t0 = time.perf_counter()
-        train(dataclasses.replace(cfg.rl, model=sft, run_dir=str(arm_dir / "rl")), console=console)
-        model, train_s = str(arm_dir / "rl" / "policy"), time.perf_counter() - t0
+        run_dir = arm_dir / "rl"
+        train(dataclasses.replace(cfg.rl, model=sft, run_dir=str(run_dir)), console=console)
+        # every step's time, those of a run this one resumed included
+        steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        model, train_s = str(run_dir / "policy"), sum(m.get("time/step", 0.0) for m in steps)
     ecfg = dataclasses.replace(cfg.eval, model=model, out=str(arm_dir / "eval.jsonl"))
     metrics, trajs = run_eval(ecfg, console)
     return {"overrides": overrides, "train_seconds": train_s, "metrics": metrics} | diagnose(trajs, ecfg.max_turns)
