@@ -30,6 +30,7 @@ from rich.console import Console
 
 from agent_r1.config import load_config
 from agent_r1.evaluate import bootstrap_ci, run_eval
+from agent_r1.observe.plot import read_metrics
 from agent_r1.pipeline import DemoConfig
 from agent_r1.tasks.hotpotqa import support_read
 from agent_r1.trainer.rl import train
@@ -40,7 +41,7 @@ ARMS = {
     "sft": None,  # the cold start, evaluated as is
     "oracle": None,  # the cold start with the gold paragraphs in the prompt
     "grpo": ["rl.algo.estimator=grpo", "rl.task.process_reward=false"],  # every turn: the episode's advantage
-    "gigpo": ["rl.algo.estimator=gigpo", "rl.algo.gamma=0.95", "rl.task.process_reward=false"],  # + step groups
+    "gigpo": ["rl.algo.estimator=gigpo", "rl.task.process_reward=false"],  # + step groups (the recipe's γ 0.95)
     "turn_grpo": [  # per-turn returns-to-go, with a process reward for each supporting page read
         "rl.algo.estimator=turn_grpo",
         "rl.task.process_reward=true",
@@ -68,8 +69,7 @@ def run_arm(name: str, sft: str, out: Path, num_tasks: int, extra: list[str], co
         run_dir = arm_dir / "rl"
         train(dataclasses.replace(cfg.rl, model=sft, run_dir=str(run_dir)), console=console)
         # every step's time, those of a run this one resumed included
-        steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        model, train_s = str(run_dir / "policy"), sum(m.get("time/step", 0.0) for m in steps)
+        model, train_s = str(run_dir / "policy"), sum(m.get("time/step", 0.0) for m in read_metrics(run_dir))
     ecfg = dataclasses.replace(cfg.eval, model=model, out=str(arm_dir / "eval.jsonl"))
     metrics, trajs = run_eval(ecfg, console)
     return {"overrides": overrides, "train_seconds": train_s, "metrics": metrics} | diagnose(trajs, ecfg.max_turns)
