@@ -47,6 +47,12 @@ ARMS = {
         "rl.task.process_reward=true",
         "rl.algo.process_reward_weight=0.2",
     ],
+    "turn_grpo_error_cost": [  # the same, and a cost per wrong call: the format reward no longer pays for
+        "rl.algo.estimator=turn_grpo",  # open(query=...) -> error -> answer with the title (docs/search.md)
+        "rl.task.process_reward=true",
+        "rl.algo.process_reward_weight=0.2",
+        "rl.task.call_error_reward=-1.0",  # x 0.2 = -0.2 per wrong call: more than its +0.1 format reward
+    ],
     "turn_grpo_potential": [  # the same, the reading reward as a potential: returns stay the outcome's
         "rl.algo.estimator=turn_grpo",
         "rl.task.process_reward=true",

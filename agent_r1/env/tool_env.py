@@ -31,6 +31,9 @@ from agent_r1.env.tool_calls import (
 from agent_r1.tools import Tool, execute_tool_call
 from agent_r1.types import Action, Message, Observation, Termination
 
+# tool-call errors that are the model's mistake (not a tool's or a backend's failure): `call_error_reward`
+MODEL_ERRORS = frozenset({"parse_error", "unknown_tool", "invalid_arguments"})
+
 # (task, final response text) -> outcome reward, or (reward, {name: value}) to log its parts;
 # with reward_on="episode" the second argument is every response of the episode, in order
 RewardFn = Callable[[dict[str, Any], Any], float | tuple[float, dict[str, float]]]
@@ -55,6 +58,7 @@ class ToolEnv:
         max_tool_tokens: int | None = None,
         reward_on: Literal["final", "episode"] = "final",
         potential: Potential | None = None,
+        call_error_reward: float = 0.0,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -71,6 +75,9 @@ class ToolEnv:
         self.max_tool_tokens = max_tool_tokens  # each tool output is cut to this many tokens (None: no cut)
         self.reward_on = reward_on  # the reward sees the final response, or every response of the episode
         self.potential = potential  # process reward of a tool step: Phi(after) - Phi(before)
+        # process reward per call the model got wrong (MODEL_ERRORS): negative charges for a call that did
+        # nothing, which a per-turn format reward would otherwise pay for
+        self.call_error_reward = call_error_reward
         self.stop = ("</tool_call>", *prompt_format.stop)
 
     @property
@@ -130,6 +137,9 @@ class ToolEnv:
         self.tool_results.extend(info.get("tool_results", []))
         if self.potential is not None:  # potential-based shaping (Ng et al. 1999): F = Phi(s') - Phi(s)
             reward = (reward or 0.0) + self.potential(self.task, self.tool_results) - before
+        mistakes = sum(n for kind, n in errors.items() if kind in MODEL_ERRORS)
+        if self.call_error_reward and mistakes:
+            reward = (reward or 0.0) + self.call_error_reward * mistakes
         return StepResult(Observation(token_ids=list(self.context), state=self._state()), reward, False, info)
 
     def _state(self) -> str:

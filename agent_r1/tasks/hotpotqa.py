@@ -49,6 +49,9 @@ class Options:
     """search+open: words of each search result's text shown after its title"""
     process_reward: bool = False
     """reward each turn for the supporting paragraphs it read: Phi = share of them read so far"""
+    call_error_reward: float = 0.0
+    """process reward per call the model got wrong (bad arguments, unknown tool, malformed); negative
+    takes away the format reward's pay for a call that did nothing (docs/search.md)"""
     gold_context: bool = False
     """an oracle for diagnosis: show the supporting paragraphs with the question (measures reading, not search)"""
 
@@ -186,7 +189,8 @@ def make_env(
     """A ToolEnv with `search` (over `index`, default the options' retriever) and, with
     tools=search+open, `open` (over `corpus_pages`, default the task's corpus); each tool response is
     cut to `options.max_tool_tokens` tokens. With `process_reward`, a turn earns the rise of
-    `support_read` it caused (potential-based shaping, Ng et al. 1999)."""
+    `support_read` it caused (potential-based shaping, Ng et al. 1999); with `call_error_reward`, each
+    call the model got wrong earns it."""
     index = index or retriever(options)
     whole = options.tools == "search"
     tools = {"search": search_tool(index)} if whole else {
@@ -202,6 +206,7 @@ def make_env(
         max_tool_tokens=options.max_tool_tokens,
         reward_on="episode",
         potential=functools.partial(support_read, whole_search=whole) if options.process_reward else None,
+        call_error_reward=options.call_error_reward,
     )
 
 

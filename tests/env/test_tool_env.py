@@ -220,6 +220,25 @@ async def test_potential_turns_tool_results_into_process_rewards(tokenizer):
     assert [r["output"] for r in env.tool_results] == ["a", "1", "a", "b"]
 
 
+async def test_call_error_reward_charges_the_models_mistakes_not_the_tools(tokenizer):
+    """-0.3 per call the model got wrong (bad arguments, unknown tool, malformed JSON); a tool that
+    raises is not the model's mistake, and a clean call earns nothing extra."""
+    env = ToolEnv(TOOLS, ChatFormat(tokenizer), call_error_reward=-0.3, max_turns=6)
+    await env.reset({"question": "q"})
+    turns = [
+        call("echo", {"query": "a"}),  # invalid_arguments
+        call("nope", {}) + call("echo", {"text": 1}),  # unknown_tool + invalid_arguments
+        "<tool_call>{not json</tool_call>",  # parse_error
+        call("boom", {"x": 1}),  # exception: the tool's failure
+        call("echo", {"text": "a"}),
+    ]
+    rewards = [(await env.step(action(tokenizer, t)))[1] for t in turns]
+    assert rewards == pytest.approx([-0.3, -0.6, -0.3, None, None])
+    env = ToolEnv(TOOLS, ChatFormat(tokenizer), max_turns=3)  # off by default
+    await env.reset({"question": "q"})
+    assert (await env.step(action(tokenizer, call("echo", {"query": "a"}))))[1] is None
+
+
 async def test_state_is_what_the_tools_showed_not_what_the_agent_wrote(tokenizer):
     async def states(*texts):
         env = ToolEnv(TOOLS, ChatFormat(tokenizer), max_turns=5)

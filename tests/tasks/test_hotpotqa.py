@@ -124,6 +124,23 @@ async def test_process_reward_is_the_share_of_supporting_pages_read(tokenizer, t
     assert bridge_env(tokenizer, tmp_path).potential is None  # off unless asked for
 
 
+async def test_call_error_reward_charges_the_learned_shortcut(tokenizer, tmp_path):
+    """RL learned open({"query": title}) -> invalid arguments -> answer with the title (docs/search.md):
+    with call_error_reward that call costs; an unknown title (a helpful observation) does not."""
+    env = bridge_env(tokenizer, tmp_path, process_reward=True, call_error_reward=-1.0)
+    await env.reset(BRIDGE_TASK)
+
+    async def step(name, **args):
+        text = "<think>.</think>\n" + format_tool_call(name, args)
+        ids = tokenizer.encode(text)
+        return await env.step(Action(ids, [0.0] * len(ids), text))
+
+    shortcut = await step("open", query="Tinted Windows (band)")
+    assert shortcut.reward == -1.0 and shortcut.info["tool_errors"] == {"invalid_arguments": 1}
+    assert (await step("open", title="Adam Schlesingr")).reward == 0.0
+    assert (await step("open", title="Adam Schlesinger")).reward == 0.5
+
+
 def test_bad_options_are_one_line_errors():
     with pytest.raises(ValueError, match=r"task.tools must be search\+open or search"):
         hotpotqa.Options(tools="open")
