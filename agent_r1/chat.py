@@ -161,8 +161,8 @@ class _StreamingEngine:
         self.max_context = engine.max_context
         self.on_token = on_token
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerateOutput]:
-        return await self.engine.generate(prompts, params, lambda _, token, __: self.on_token(token))  # type: ignore[call-arg]
+    async def generate(self, prompts: list[list[int]], params: SamplingParams, **kw) -> list[GenerateOutput]:
+        return await self.engine.generate(prompts, params, lambda _, token, __: self.on_token(token), **kw)  # type: ignore[call-arg]
 
 
 class _WatchedEnv:

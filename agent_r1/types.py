@@ -12,7 +12,26 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-Message = dict[str, Any]  # {"role": "user" | "assistant" | "system", "content": str}
+# {"role": "user" | "assistant" | "system", "content": str, or a list of OpenAI-style content parts:
+#  {"type": "text", "text": str} | {"type": "image", "image": PIL image, array, path or data URL}}
+Message = dict[str, Any]
+
+
+@dataclass(eq=False)
+class Image:
+    """One image of a prompt, prepared by the model's processor (agent_r1/models/vision.py).
+
+    The prompt's ids hold `num_tokens` placeholder ids (the model's image token) for it, in the order
+    the images are listed; the vision tower's features replace their embeddings. Every image's
+    placeholders are the same id, so two prompts are the same prompt only when their ids *and* image
+    digests agree.
+    """
+
+    digest: str  # sha256 of the decoded pixels and size: tells images apart, not their placeholders
+    inputs: dict[str, Any]  # the processor's tensors for this image alone: pixel_values, image_grid_thw, ...
+    num_tokens: int  # placeholder ids it takes in the prompt
+    expansion: list[int]  # the ids that stand for it in the prompt (placeholders and any markers around them)
+    picture: Any = None  # the PIL image, for viewers
 
 
 @dataclass
@@ -29,6 +48,7 @@ class Observation:
     # the environment's state without the agent's own words (e.g. a hash of what the tools showed):
     # steps of one task's group acting from equal states form GiGPO's step groups; None = the prompt
     state: str | None = None
+    images: list[Image] = field(default_factory=list)  # the images of `token_ids`, in placeholder order
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.messages, self.text, self.token_ids)]
@@ -73,6 +93,7 @@ class Step:
     finish_reason: str = ""  # why sampling stopped: "stop" | "eos" | "length" ("length" = truncated)
     done: bool = False  # the env ended the episode with this step: its reward is the outcome
     state: str = ""  # the env state the step acted from (Observation.state, else a digest of the prompt)
+    images: list[Image] = field(default_factory=list)  # the images of prompt_ids, in placeholder order
 
 
 @dataclass
@@ -122,3 +143,4 @@ class TrainSequence:
     loss_mask: list[int]  # [T] 1 on sampled tokens, 0 on prompt / tool / env tokens
     logprobs: list[float]  # [T] rollout log-prob on sampled tokens, 0.0 elsewhere
     step_index: list[int]  # [T] index of the step that sampled the token, -1 on non-sampled tokens
+    images: list[Image] = field(default_factory=list)  # the images of input_ids, in placeholder order

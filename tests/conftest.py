@@ -150,3 +150,22 @@ def serving(app):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tokenizer):
+    """A tiny LLaVA (the 2-layer random Llama + a random SigLIP tower) and its locally built processor:
+    16x16 pictures, 8x8 patches, so each image is 4 placeholder ids."""
+    from agent_r1.models.llava import build_llava
+
+    lm = make_tiny_llama(len(tokenizer), eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id)
+    model, processor = build_llava(lm, tokenizer, image_size=16, patch_size=8)
+    use_onednn(model)
+    return model, processor
+
+
+def picture(seed: int, size: tuple[int, int] = (20, 24)):
+    """A random RGB picture (uint8 [H, W, 3]); equal seeds give equal pixels."""
+    import numpy as np
+
+    return (np.random.default_rng(seed).random((*size, 3)) * 255).astype("uint8")

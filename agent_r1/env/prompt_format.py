@@ -4,17 +4,26 @@ Two formats: `ChatFormat` (the model's own chat template) and `TextFormat` (plai
 models, which have no template). Both render a first prompt from messages and, later, the
 *continuation* ids that close the sampled assistant turn, add the env's messages (tool results) and
 open the next assistant turn. Sampled ids are never re-rendered, so nothing drifts.
+
+Messages may hold images (OpenAI-style content parts). A `ChatFormat` given the model's `ImageEncoder`
+expands each image's placeholder ids as the image enters the context, exactly once, and `images(...)`
+lists the images those ids stand for; every other format shows a text-only model a note where an
+image was, so it is told rather than crashed.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import weakref
+from typing import Any, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
-from agent_r1.types import Message
+from agent_r1.models.vision import ImageEncoder, image_parts, text_only
+from agent_r1.types import Image, Message
 
 _MARK = "\u2063AGENT_R1_CONTENT\u2063"  # a string no template or model produces
+_ENCODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # processor -> its ImageEncoder
+NO_VISION = "[an image: this model reads text only]"  # what a text-only model sees for an image
 
 
 class PromptFormat(Protocol):
@@ -28,27 +37,71 @@ class PromptFormat(Protocol):
         """Ids to append after a sampled assistant response: close it, add `messages`, reopen."""
         ...
 
+    def images(self, messages: list[Message]) -> list[Image]:
+        """The images whose placeholders `initial` / `continuation` put in the ids of `messages`, in
+        order (none for a text-only model). A source that cannot be read is a one-line ValueError."""
+        ...
+
 
 class ChatFormat:
     """The tokenizer's chat template. The continuation is found by rendering a probe conversation
     and cutting right after the assistant content, so it works for any template (ChatML, Llama, ...).
+
+    With `images` (a vision-language model's `ImageEncoder`), the processor's chat template renders an
+    image part as the image token, and each image token becomes that image's expansion.
     """
 
     stop: tuple[str, ...] = ()
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        if not tokenizer.chat_template:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, images: ImageEncoder | None = None) -> None:
+        self.template = images.chat_template if images is not None else tokenizer.chat_template
+        if not self.template:
             raise ValueError("tokenizer has no chat template: use TextFormat for base models")
         self.tokenizer = tokenizer
+        self.encoder = images
 
     def _render(self, messages: list[Message], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+        messages = [self._prepare(m) for m in messages]
+        return self.tokenizer.apply_chat_template(
+            messages, chat_template=self.template, add_generation_prompt=generation_prompt, tokenize=False
+        )
 
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def _prepare(self, message: Message) -> Message:
+        """A text-only model gets a note for each image; a VLM gets its image token out of text parts
+        (a tool printing "<image>" must not make a placeholder without an image)."""
+        if self.encoder is None:
+            return text_only(message, NO_VISION)
+        token = self.encoder.image_token
+
+        def clean(text: Any) -> Any:
+            return text.replace(token, token[:1] + " " + token[1:]) if isinstance(text, str) else text
+
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [{**p, "text": clean(p["text"])} if p.get("type") == "text" else p for p in content]
+        return {**message, "content": clean(content)}
+
+    def _encode(self, text: str, images: list[Image]) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if self.encoder is None:
+            return ids
+        token, out, it = self.encoder.image_token_id, [], iter(images)
+        for t in ids:
+            image = next(it, None) if t == token else None
+            if t == token and image is None:
+                raise ValueError("the chat template rendered more image tokens than the messages have images")
+            out += image.expansion if image is not None else [t]
+        if next(it, None) is not None:
+            raise ValueError("the chat template rendered fewer image tokens than the messages have images")
+        return out
+
+    def images(self, messages: list[Message]) -> list[Image]:
+        if self.encoder is None:
+            return []
+        return [self.encoder.encode(source) for m in messages for source in image_parts(m)]
 
     def initial(self, messages: list[Message]) -> list[int]:
-        return self._encode(self._render(messages, generation_prompt=True))
+        return self._encode(self._render(messages, generation_prompt=True), self.images(messages))
 
     def continuation(self, messages: list[Message], after_eos: bool) -> list[int]:
         probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
@@ -57,7 +110,7 @@ class ChatFormat:
         eos = self.tokenizer.eos_token or ""
         if after_eos and eos and delta.startswith(eos):  # the model already sampled the end-of-turn token
             delta = delta[len(eos) :]
-        return self._encode(delta)
+        return self._encode(delta, self.images(messages))
 
 
 class TextFormat:
@@ -68,9 +121,12 @@ class TextFormat:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
 
+    def images(self, messages: list[Message]) -> list[Image]:
+        return []  # base models here read text only: an image is a note (NO_VISION)
+
     def _turns(self, messages: list[Message]) -> str:
         out = []
-        for m in messages:
+        for m in (text_only(m, NO_VISION) for m in messages):
             if m["role"] == "system":
                 out.append(m["content"].strip() + "\n\n")
             elif m["role"] == "assistant":
@@ -90,7 +146,13 @@ class TextFormat:
         return self.tokenizer.encode("\n" + self._turns(messages), add_special_tokens=False)
 
 
-def prompt_format_for(tokenizer: PreTrainedTokenizerBase, chat: bool | None = None) -> PromptFormat:
-    """ChatFormat when the model has a chat template (or `chat=True`), else TextFormat."""
-    use_chat = bool(tokenizer.chat_template) if chat is None else chat
-    return ChatFormat(tokenizer) if use_chat else TextFormat(tokenizer)
+def prompt_format_for(tokenizer: Any, chat: bool | None = None) -> PromptFormat:
+    """ChatFormat when the model has a chat template (or `chat=True`), else TextFormat. `tokenizer` may
+    be a vision-language model's processor (`load_processor`): then the ChatFormat reads images."""
+    images = None
+    if getattr(tokenizer, "image_processor", None) is not None:  # a processor: its tokenizer and images
+        if (images := _ENCODERS.get(tokenizer)) is None:  # one per processor: its prepared images are kept
+            images = _ENCODERS[tokenizer] = ImageEncoder(tokenizer)
+        tokenizer = tokenizer.tokenizer
+    use_chat = bool((images and images.chat_template) or tokenizer.chat_template) if chat is None else chat
+    return ChatFormat(tokenizer, images) if use_chat else TextFormat(tokenizer)

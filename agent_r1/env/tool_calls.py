@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
@@ -72,9 +73,18 @@ def extract_answer(text: str) -> str | None:
     return found[-1].strip() if found else None
 
 
-def format_tool_responses(outputs: list[str]) -> str:
-    """One user turn holding every result of this step, in call order (as Qwen's template does)."""
-    return "\n".join(f"<tool_response>\n{out}\n</tool_response>" for out in outputs)
+def format_tool_responses(outputs: list[str], images: list[list[Any]] | None = None) -> str | list[dict[str, Any]]:
+    """One user turn holding every result of this step, in call order (as Qwen's template does). With
+    `images` (per output, what the tool returned), content parts: each image inside its response."""
+    if not images or not any(images):
+        return "\n".join(f"<tool_response>\n{out}\n</tool_response>" for out in outputs)
+    parts: list[dict[str, Any]] = []
+    for i, (out, shown) in enumerate(zip(outputs, images, strict=True)):
+        parts.append({"type": "text", "text": ("\n" if i else "") + f"<tool_response>\n{out}"})
+        for image in shown:
+            parts += [{"type": "text", "text": "\n"}, {"type": "image", "image": image}]
+        parts.append({"type": "text", "text": "\n</tool_response>"})
+    return parts
 
 
 def tools_system_prompt(schemas: list[dict], instructions: str = "") -> str:

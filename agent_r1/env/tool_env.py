@@ -28,6 +28,7 @@ from agent_r1.env.tool_calls import (
     parse_tool_calls,
     tools_system_prompt,
 )
+from agent_r1.models.vision import text_only
 from agent_r1.tools import Tool, execute_tool_call
 from agent_r1.types import Action, Message, Observation, Termination
 
@@ -59,6 +60,7 @@ class ToolEnv:
         reward_on: Literal["final", "episode"] = "final",
         potential: Potential | None = None,
         call_error_reward: float = 0.0,
+        max_images: int = 8,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -78,6 +80,7 @@ class ToolEnv:
         # process reward per call the model got wrong (MODEL_ERRORS): negative charges for a call that did
         # nothing, which a per-turn format reward would otherwise pay for
         self.call_error_reward = call_error_reward
+        self.max_images = max_images  # images one context may hold (a VLM's limit): more become a note
         self.stop = ("</tool_call>", *prompt_format.stop)
 
     @property
@@ -95,8 +98,14 @@ class ToolEnv:
         question = task.get("messages") or [{"role": "user", "content": str(task["question"])}]
         self.messages: list[Message] = [*self.prompt_prefix, *question]
         self.context = self.format.initial(self.messages)  # [T] ids the policy sees next
+        self.images = self.format.images(self.messages)  # the images of the context, in placeholder order
+        if len(self.images) > self.max_images:
+            raise ValueError(f"the task's prompt has {len(self.images)} images, more than max_images={self.max_images}")
         self.start = len(self.messages)  # where the episode's own turns begin
-        return Observation(token_ids=list(self.context), state=self._state())
+        return self._observation()
+
+    def _observation(self) -> Observation:
+        return Observation(token_ids=list(self.context), state=self._state(), images=list(self.images))
 
     async def step(self, action: Action) -> StepResult:
         self.turn += 1
@@ -118,11 +127,11 @@ class ToolEnv:
             info["termination"] = Termination.MAX_TURNS
             return StepResult(None, 0.0, True, info)
 
-        outputs, rewards, errors = await self._run_calls(parsed, info)
+        outputs, shown, rewards, errors = await self._run_calls(parsed, info)
         info["tool_calls"] = sum(1 for p in parsed if not isinstance(p, ParseError))
         info["format_errors"] = sum(1 for p in parsed if isinstance(p, ParseError))
         info["tool_errors"] = dict(errors)
-        tool_turn = [{"role": "user", "content": format_tool_responses(outputs)}]
+        tool_turn = [{"role": "user", "content": format_tool_responses(outputs, shown)}]
         self.messages.extend(tool_turn)
         if self.rewrite is None:
             self.context = (
@@ -130,8 +139,10 @@ class ToolEnv:
                 + action.token_ids
                 + self.format.continuation(tool_turn, after_eos=action.finish_reason == "eos")
             )
+            self.images += self.format.images(tool_turn)
         else:
-            self.context = self.format.initial(self.rewrite(list(self.messages)))
+            rewritten = self.rewrite(list(self.messages))
+            self.context, self.images = self.format.initial(rewritten), self.format.images(rewritten)
         reward = sum(rewards) if rewards else None  # process reward from the tools, if any gave one
         before = self.potential(self.task, self.tool_results) if self.potential else 0.0
         self.tool_results.extend(info.get("tool_results", []))
@@ -140,39 +151,67 @@ class ToolEnv:
         mistakes = sum(n for kind, n in errors.items() if kind in MODEL_ERRORS)
         if self.call_error_reward and mistakes:
             reward = (reward or 0.0) + self.call_error_reward * mistakes
-        return StepResult(Observation(token_ids=list(self.context), state=self._state()), reward, False, info)
+        return StepResult(self._observation(), reward, False, info)
 
     def _state(self) -> str:
         """The env's state for GiGPO's step groups: a digest of every tool response shown so far (the
-        task is the group's own), without the agent's thoughts and call syntax."""
-        shown = [m["content"] for m in self.messages[self.start :] if m["role"] != "assistant"]
+        task is the group's own), without the agent's thoughts and call syntax; images by their digest."""
+        shown = [text_only(m)["content"] for m in self.messages[self.start :] if m["role"] != "assistant"]
+        shown += [image.digest for image in self.images]
         return hashlib.sha1(json.dumps(shown).encode()).hexdigest()[:16]
 
-    async def _run_calls(self, parsed: list, info: dict) -> tuple[list[str], list[float], Counter]:
-        """Run every well-formed call concurrently; malformed ones become error observations."""
+    async def _run_calls(self, parsed: list, info: dict) -> tuple[list[str], list[list[Any]], list[float], Counter]:
+        """Run every well-formed call concurrently; malformed ones become error observations. Returns
+        each response's text and the images it shows, the tools' rewards and the error kinds."""
         results = await asyncio.gather(
             *(execute_tool_call(self.tools, p.name, p.arguments) for p in parsed if not isinstance(p, ParseError))
         )
         it = iter(results)
         outputs: list[str] = []
+        shown: list[list[Any]] = []
         errors: Counter = Counter()
+        room = self.max_images - len(self.images)
         for p in parsed:
             if isinstance(p, ParseError):
                 outputs.append(f"Error: {p.message}")
+                shown.append([])
                 errors["parse_error"] += 1
                 continue
             r = next(it)
             output, cut = r.output, False
             if self.max_tool_tokens is not None:
                 output, cut = truncate_to_tokens(output, self.format.tokenizer, self.max_tool_tokens)
-            outputs.append(output)
+            kept, notes = self._take_images(r.images, room, errors)
+            room -= len(kept)
+            outputs.append(output + "".join(f"\n{n}" for n in notes))
+            shown.append(kept)
             if r.error:
                 errors[r.error] += 1
             info["truncated_outputs"] += r.truncated or cut
         info["tool_results"] = [
-            {"name": r.name, "arguments": r.arguments, "output": r.output, "error": r.error} for r in results
+            {"name": r.name, "arguments": r.arguments, "output": r.output, "error": r.error, "images": len(r.images)}
+            for r in results
         ]
-        return outputs, [r.reward for r in results if r.reward is not None], errors
+        return outputs, shown, [r.reward for r in results if r.reward is not None], errors
+
+    def _take_images(self, sources: list[Any], room: int, errors: Counter) -> tuple[list[Any], list[str]]:
+        """The images of one tool result that the context takes, and a note for each one it does not: an
+        image that cannot be read (bad_image) or one past `max_images` (too_many_images). The model
+        reads the note; the run goes on."""
+        kept, notes = [], []
+        for source in sources:
+            try:
+                self.format.images([{"role": "user", "content": [{"type": "image", "image": source}]}])
+            except ValueError as exc:
+                errors["bad_image"] += 1
+                notes.append(f"[the tool returned an image that cannot be shown: {exc}]")
+                continue
+            if len(kept) >= room:
+                errors["too_many_images"] += 1
+                notes.append(f"[an image was left out: a context holds at most {self.max_images} images]")
+                continue
+            kept.append(source)
+        return kept, notes
 
     async def close(self) -> None:
         """End of the episode: free what its tools hold (a `python` sandbox's process and scratch

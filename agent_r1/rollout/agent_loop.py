@@ -21,7 +21,7 @@ from typing import Any
 from agent_r1.env.base import Env
 from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.rollout.engine import Engine, SamplingParams
-from agent_r1.types import Action, Observation, Step, Termination, Trajectory
+from agent_r1.types import Action, Image, Observation, Step, Termination, Trajectory
 
 
 class AgentEnvLoop:
@@ -68,13 +68,17 @@ class AgentEnvLoop:
             obs: Observation | None = await env.reset(traj.task)
             traj.termination = Termination.MAX_TURNS
             for turn in range(self.max_steps):
-                prompt = self._prompt_ids(obs)
+                prompt, images = self._prompt(obs)
                 if len(prompt) >= self.engine.max_context:
                     traj.termination = Termination.CONTEXT_OVERFLOW
                     break
-                out = (await self.engine.generate([prompt], self._params(env, index, turn)))[0]
+                params = self._params(env, index, turn)
+                if images:  # only engines that read images are asked to
+                    out = (await self.engine.generate([prompt], params, images=[images]))[0]
+                else:
+                    out = (await self.engine.generate([prompt], params))[0]
                 action = Action(out.token_ids, out.logprobs, out.text, out.finish_reason)
-                state = obs_state(obs, prompt)  # the state the step acts from, before the env moves on
+                state = obs_state(obs, prompt, images)  # the state the step acts from, before the env moves on
                 obs, reward, done, info = await env.step(action)
                 traj.steps.append(
                     Step(
@@ -88,6 +92,7 @@ class AgentEnvLoop:
                         out.finish_reason,
                         done,
                         state,
+                        images,
                     )
                 )
                 if done:
@@ -110,24 +115,27 @@ class AgentEnvLoop:
         seed = None if self.seed is None else (self.seed * 1_000_003 + index) * 1_009 + turn
         return dataclasses.replace(self.sampling, stop=stop, seed=seed)
 
-    def _prompt_ids(self, obs: Observation | None) -> list[int]:
+    def _prompt(self, obs: Observation | None) -> tuple[list[int], list[Image]]:
+        """The prompt's ids and the images of its placeholders."""
         if obs is None:
             raise ValueError("env returned no observation but did not end the episode")
         if obs.token_ids is not None:
-            return obs.token_ids
+            return obs.token_ids, list(obs.images)
         if self.prompt_format is None:
             raise ValueError("env returned messages/text: give AgentEnvLoop a prompt_format")
-        if obs.messages is not None:
-            return self.prompt_format.initial(obs.messages)
-        return self.prompt_format.initial([{"role": "user", "content": obs.text}])
+        messages = obs.messages if obs.messages is not None else [{"role": "user", "content": obs.text}]
+        return self.prompt_format.initial(messages), self.prompt_format.images(messages)
 
 
-def obs_state(obs: Observation | None, prompt: list[int]) -> str:
+def obs_state(obs: Observation | None, prompt: list[int], images: list[Image] = ()) -> str:
     """The state a step acts from, for GiGPO's step groups: the env's own `state`, else a digest of the
-    whole prompt (identical contexts are identical states)."""
+    whole prompt and its images (identical contexts are identical states)."""
     if obs is not None and obs.state is not None:
         return obs.state
-    return hashlib.sha1(array("l", prompt).tobytes()).hexdigest()[:16]
+    digest = hashlib.sha1(array("l", prompt).tobytes())
+    for image in images:
+        digest.update(image.digest.encode())
+    return digest.hexdigest()[:16]
 
 
 def trajectory_metrics(traj: Trajectory) -> dict[str, float]:

@@ -56,7 +56,8 @@ class Engine(Protocol):
     max_context: int  # prompt + response tokens the model can attend to
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerateOutput]:
-        """Sample one response per prompt."""
+        """Sample one response per prompt. An engine that reads images (LocalEngine, for a
+        vision-language model) also takes `images=`: per prompt, the images of its placeholders."""
         ...
 
     def sync_weights(self, model: torch.nn.Module) -> None:

@@ -57,8 +57,10 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from agent_r1.models.precision import autocast, model_device
+from agent_r1.models.vision import check_images, count_placeholders, embed_with_images, image_token_id, placeholder_keys
 from agent_r1.rollout.engine import GenerateOutput, SamplingParams, alias_key, full_state_dict
 from agent_r1.rollout.kv_cache import SlotCache
+from agent_r1.types import Image
 
 TokenCallback = Callable[[int, int, float], None]  # (index of the prompt in its call, token id, log-prob)
 RowHook = Callable[[int, int, float], bool]  # (index of the prompt, token id, log-prob) -> keep decoding it
@@ -80,6 +82,8 @@ class _Seq:
     done: Callable[[GenerateOutput | BaseException], None]
     cancelled: Callable[[], bool]
     member: _Member | None = None  # the cohort member that asked, if any
+    images: list[Image] = field(default_factory=list)  # the images of the prompt's placeholders, in order
+    key: list[int] = field(default_factory=list)  # the prompt as compared with others: ids, images by digest
     out_ids: list[int] = field(default_factory=list)
     out_lp: list[float] = field(default_factory=list)
     finish: str = "length"
@@ -126,7 +130,7 @@ _MEMBER: contextvars.ContextVar[_Member | None] = contextvars.ContextVar("agent_
 class _Parked:
     """A finished sequence's keys, kept in its slot for a prompt that continues it."""
 
-    tokens: list[int]  # the tokens whose keys columns 0..len-1 hold
+    tokens: list[int]  # the tokens whose keys columns 0..len-1 hold (placeholders as image keys)
     slot: int
     keys: list[int]  # block hashes it is indexed under
     stamp: int  # last use (least recently used goes first)
@@ -151,7 +155,9 @@ class LocalEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
-        self.max_context = max_context or int(getattr(model.config, "max_position_embeddings", 2048))
+        text_config = model.config.get_text_config()
+        self.max_context = max_context or int(getattr(text_config, "max_position_embeddings", 2048))
+        self.image_token_id = image_token_id(model)  # None for a text-only model
         self.batch_wait_s = batch_wait_s  # an idle engine waits this long for concurrent callers to arrive
         self.min_shared_prefix = min_shared_prefix  # shorter common prefixes are not worth a separate pass
         self.kv_cache_bytes = int(kv_cache_gb * 2**30)  # slots (running and parked) never take more
@@ -184,12 +190,18 @@ class LocalEngine:
     # --- callers --------------------------------------------------------------------------------
 
     async def generate(
-        self, prompts: list[list[int]], params: SamplingParams, on_token: TokenCallback | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        on_token: TokenCallback | None = None,
+        *,
+        images: list[list[Image]] | None = None,
     ) -> list[GenerateOutput]:
         """Sample one response per prompt; the prompts join the running batch at its next step.
 
         `on_token(i, token_id, logprob)` is called on this event loop for every token sampled for
-        prompt i, in order, before `generate` returns. Cancelling the call frees its rows.
+        prompt i, in order, before `generate` returns. Cancelling the call frees its rows. `images[i]`
+        are the images of prompt i's placeholders, in order (a vision-language model).
         """
         loop = asyncio.get_running_loop()
         base = params.seed if params.seed is not None else self._seeds.getrandbits(62)
@@ -202,6 +214,7 @@ class LocalEngine:
                 _forward_tokens(loop, f, on_token and functools.partial(on_token, i)),
                 functools.partial(_resolve_threadsafe, loop, f),
                 f.cancelled,
+                images[i] if images else [],
             )
             for i, (p, f) in enumerate(zip(prompts, futures, strict=True))
         ]
@@ -209,7 +222,13 @@ class LocalEngine:
         return list(await asyncio.gather(*futures))
 
     def generate_batch(
-        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], on_token: RowHook | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        seeds: list[int],
+        on_token: RowHook | None = None,
+        *,
+        images: list[list[Image]] | None = None,
     ) -> list[GenerateOutput]:
         """Synchronously sample one response per prompt, seeded per prompt (for callers without an event
         loop). `on_token(i, token, logprob)` sees every sampled token; returning False aborts that row
@@ -228,7 +247,15 @@ class LocalEngine:
             return on_token is None or on_token(i, token, logprob)
 
         seqs = [
-            self._new_seq(p, params, s, functools.partial(emit, i), functools.partial(done, i), lambda: False)
+            self._new_seq(
+                p,
+                params,
+                s,
+                functools.partial(emit, i),
+                functools.partial(done, i),
+                lambda: False,
+                images[i] if images else [],
+            )
             for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))
         ]
         if seqs:
@@ -300,12 +327,14 @@ class LocalEngine:
             self.weights_version = self.weights_version + 1 if version is None else version
         return len(tensors)
 
-    def _new_seq(self, prompt, params, seed, emit, done, cancelled) -> _Seq:
+    def _new_seq(self, prompt, params, seed, emit, done, cancelled, images=()) -> _Seq:
         if len(prompt) == 0:
             raise ValueError("cannot generate from an empty prompt")
+        check_images(prompt, images, self.image_token_id)  # a text-only model, a prompt and images that disagree
         gen = torch.Generator(device="cpu").manual_seed(seed)
         budget = min(params.max_new_tokens, self.max_context - len(prompt))
-        return _Seq(list(prompt), params, seed, gen, budget, emit, done, cancelled)
+        key = placeholder_keys(prompt, images, self.image_token_id)
+        return _Seq(list(prompt), params, seed, gen, budget, emit, done, cancelled, images=list(images), key=key)
 
     def _submit(self, seqs: list[_Seq]) -> None:
         """Queue sequences for the decode thread (started when idle); a prompt that fills the context
@@ -464,7 +493,7 @@ class LocalEngine:
     def _park(self, s: _Seq) -> None:
         """Keep a finished sequence's keys for a prompt that continues it (or free its slot)."""
         slot = self._close_running_slot(s)
-        tokens = (s.prompt + s.out_ids)[: s.n]
+        tokens = (s.key + s.out_ids)[: s.n]
         if s.finish == "abort" or len(tokens) < BLOCK:  # a disconnected client: free its memory now
             self._slot[slot] = None
             if self._parked:  # keep the parked region contiguous
@@ -517,16 +546,16 @@ class LocalEngine:
         the rest, and return their next-token logits [n, V] in slot order."""
         groups: dict[tuple[int, ...], list[_Seq]] = {}
         for s in new:
-            groups.setdefault(tuple(s.prompt), []).append(s)
+            groups.setdefault(tuple(s.key), []).append(s)
         firsts = [g[0] for g in groups.values()]
-        hits = [self._lookup(s.prompt, len(s.prompt) - 1) for s in firsts]
+        hits = [self._lookup(s.key, len(s.key) - 1) for s in firsts]
         continued = {e for e, m in hits if e is not None and m == len(e.tokens)}
         # rows that take a parked slot over need no new one, and their slots must not be evicted for them
         slots = len(self._running) + len(new) - len(continued) + 1  # + 1 for a shared prefix
         self._fit(slots, max(len(s.prompt) + s.budget for s in new), keep=continued)
-        self._prefill_shared_prefix([s.prompt for s in firsts])
+        self._prefill_shared_prefix(firsts)
         # look again: making room may have evicted a partial match, the shared prefix may be new
-        found = [self._lookup(s.prompt, len(s.prompt) - 1) for s in firsts]
+        found = [self._lookup(s.key, len(s.key) - 1) for s in firsts]
         # rows of like held and new lengths side by side: a prefill chunk pads to its longest row
         order = sorted(range(len(firsts)), key=lambda i: (found[i][1], len(firsts[i].prompt) - found[i][1]))
         groups_list = list(groups.values())
@@ -563,22 +592,23 @@ class LocalEngine:
             self._swap(entry.slot, b)
         self._place(s, b)
 
-    def _prefill_shared_prefix(self, prompts: list[list[int]]) -> None:
+    def _prefill_shared_prefix(self, seqs: list[_Seq]) -> None:
         """Prefill the prefix all new prompts share once and park it, so each prompt copies its keys.
 
         Agent prompts repeat a long system prompt, tool schemas and few-shot examples. Skipped when it
         is shorter than `min_shared_prefix` or already parked. Each prompt keeps at least one token of
         its own to produce its logits.
         """
-        if len(prompts) < 2:
+        if len(seqs) < 2:
             return
-        first, C = prompts[0], min(len(p) for p in prompts) - 1
-        for p in prompts[1:]:
-            C = next((k for k in range(C) if p[k] != first[k]), C)
+        first, C = seqs[0].key, min(len(s.key) for s in seqs) - 1
+        for s in seqs[1:]:
+            C = next((k for k in range(C) if s.key[k] != first[k]), C)
         entry, m = self._lookup(first, C)
         if min(C, C - m) < self.min_shared_prefix:
             return
-        job = _Seq(first[:C], SamplingParams(), 0, None, 0, None, None, None)  # type: ignore[arg-type]
+        job = _Seq(seqs[0].prompt[:C], SamplingParams(), 0, None, 0, None, None, None)  # type: ignore[arg-type]
+        job.images, job.key = seqs[0].images, first[:C]  # a cut inside an image takes its first features
         self._place(job, self._open_running_slot())
         if entry is not None:
             self._slots().move(entry.slot, job.slot, m)
@@ -622,8 +652,14 @@ class LocalEngine:
         sees = torch.where(pad[..., None], kv == 0, kv <= positions[..., None])  # [u, S, W]
         cache.first, cache.cols, cache.width = seqs[0].slot, cols, W
         start = time.perf_counter()
+        inputs = {"input_ids": ids}
+        if any(s.images for s in seqs):  # the vision tower's features in the placeholders of this chunk
+            skip = [count_placeholders(s.prompt[: s.n], self.image_token_id) for s in seqs]
+            rows = zip(ids, seqs, skip, strict=True)
+            embeds = [embed_with_images(self.model, row, s.images, self.image_token_id, k) for row, s, k in rows]
+            inputs = {"inputs_embeds": torch.stack(embeds)}  # [u, S, H]
         out = self.model(
-            input_ids=ids,
+            **inputs,
             position_ids=positions,
             attention_mask=self._mask(sees, positions),
             past_key_values=cache,

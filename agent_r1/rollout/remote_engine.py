@@ -79,10 +79,14 @@ class RemoteEngine:
         self._synced = False  # before the first sync the server's own weights are the policy
         self._token_texts: dict[int, str] = {}  # EOS token id -> its text (vLLM servers)
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerateOutput]:
+    async def generate(
+        self, prompts: list[list[int]], params: SamplingParams, *, images: list | None = None
+    ) -> list[GenerateOutput]:
         """Sample one response per prompt; requests go out together, so the server can batch them.
         Once weights were synced, the server's weights version is checked after the call: versions
         only grow, so a change before or during the call shows then (one request per call, not two)."""
+        if images and any(images):
+            raise ValueError("a remote engine does not take images yet: use rollout.engine=local for a VLM")
         client = self._client()
         outs = list(await asyncio.gather(*(self._one(client, p, params, i) for i, p in enumerate(prompts))))
         await self._check_version(client)

@@ -160,8 +160,12 @@ class VLLMEngine:
 
     # --- generation --------------------------------------------------------------------------------
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerateOutput]:
+    async def generate(
+        self, prompts: list[list[int]], params: SamplingParams, *, images: list | None = None
+    ) -> list[GenerateOutput]:
         """Sample one response per prompt; they join whatever batch vLLM is running."""
+        if images and any(images):
+            raise ValueError("rollout.engine=vllm does not take images yet: use rollout.engine=local for a VLM")
         loop = asyncio.get_running_loop()
         base = params.seed if params.seed is not None else self._seeds.getrandbits(31)
         requests = []

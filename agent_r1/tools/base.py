@@ -45,6 +45,7 @@ class ToolResult:
     output: str
     reward: float | None = None
     error: str | None = None  # a short kind such as "timeout" or "memory_limit"; None on success
+    images: list[Any] = field(default_factory=list)  # shown after `output`: PIL images, arrays, paths, data URLs
 
 
 @dataclass
@@ -179,6 +180,7 @@ class ToolCallResult:
     truncated: bool = False  # output was cut to the tool's max_output_chars
     reward: float | None = None  # process reward from a ToolResult, None if the tool gave none
     seconds: float = 0.0  # wall time of the whole call
+    images: list[Any] = field(default_factory=list)  # images the tool returned (read by the env's format)
 
 
 async def execute_tool_call(tools: Mapping[str, Tool], name: str, arguments: object) -> ToolCallResult:
@@ -214,8 +216,9 @@ async def execute_tool_call(tools: Mapping[str, Tool], name: str, arguments: obj
         return fail("exception", f"{t.name} raised {_cut(f'{type(exc).__name__}: {_safe_str(exc)}')}", args)
 
     reward = error = None
+    images: list[Any] = []
     if isinstance(value, ToolResult):
-        value, reward, error = value.output, value.reward, value.error
+        value, reward, error, images = value.output, value.reward, value.error, list(value.images)
     try:
         text = str(value)
     except Exception as e:  # a broken __str__, an int of more than 4300 digits
@@ -230,6 +233,7 @@ async def execute_tool_call(tools: Mapping[str, Tool], name: str, arguments: obj
         truncated=truncated,
         reward=reward,
         seconds=time.perf_counter() - start,
+        images=images,
     )
 
 

@@ -24,7 +24,7 @@ Bins are filled first-fit-decreasing by the tokens they will actually compute.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
@@ -32,6 +32,8 @@ from transformers import DynamicCache
 from agent_r1.distributed.fsdp import ROOT_FORWARD
 from agent_r1.distributed.group import SINGLE, Dist
 from agent_r1.models.precision import autocast, model_device
+from agent_r1.models.vision import embed_with_images, image_token_id, placeholder_keys
+from agent_r1.types import Image
 
 
 @dataclass
@@ -47,6 +49,8 @@ class Row:
     old_values: torch.Tensor | None = None  # critic values at rollout time (PPO)
     returns: torch.Tensor | None = None  # critic targets (PPO)
     rollout_logp: torch.Tensor | None = None  # the engine's log-probs when old_logp was recomputed (TIS)
+    images: list[Image] = field(default_factory=list)  # the images of input_ids' placeholders, in order
+    key: torch.Tensor | None = None  # long [T]: input_ids with placeholders as image keys (rows with images)
 
 
 @dataclass
@@ -66,6 +70,11 @@ class MicroBatch:
     returns: torch.Tensor | None
     rows: list[Row]  # the rows, in the order they are concatenated
     prefix_len: int = 0
+
+    @property
+    def images(self) -> list[Image]:
+        """The images of `input_ids`' placeholders, in order (the rows' images, concatenated)."""
+        return [image for r in self.rows for image in r.images]
 
     @property
     def row_lens(self) -> list[int]:
@@ -99,7 +108,7 @@ def pack(
         if len(row.input_ids) and float(row.mask[0]) != 0.0:
             raise ValueError("a training row must start with a prompt token (its first token has no prediction)")
     runs: list[list[Row]] = []
-    for row in sorted(rows, key=lambda r: r.input_ids.tolist()):
+    for row in sorted(rows, key=lambda r: _key(r).tolist()):
         if runs and _shared_prefix([runs[-1][-1], row]) >= min_shared_prefix:
             runs[-1].append(row)
         else:
@@ -172,15 +181,25 @@ def _first_fit(rows: list[Row], max_tokens: int) -> list[list[Row]]:
 def _shared_prefix(rows: list[Row]) -> int:
     """Length of the common prefix of all rows, stopping before the first trainable token of any
     row (its prediction must come from the row's own suffix pass)."""
-    first = rows[0].input_ids
     limit = min(int(r.mask.nonzero()[0]) if bool(r.mask.any()) else len(r.input_ids) for r in rows)
     limit = min(limit, *(len(r.input_ids) for r in rows)) - 1  # every row keeps >= 1 own token
     c = max(limit, 0)
+    first = _key(rows[0])
     for r in rows[1:]:
-        diff = (r.input_ids[:c] != first[:c]).nonzero()
+        diff = (_key(r)[:c] != first[:c]).nonzero()
         if len(diff):
             c = int(diff[0])
     return c
+
+
+def _key(row: Row) -> torch.Tensor:
+    """What rows are compared by: their ids, with each image's placeholders as a key of its pixels."""
+    return row.key if row.key is not None else row.input_ids
+
+
+def image_row_key(input_ids: list[int], images: list[Image], token_id: int | None) -> torch.Tensor | None:
+    """`Row.key` for a row with images (None without: its ids are its key)."""
+    return torch.tensor(placeholder_keys(input_ids, images, token_id)) if images else None
 
 
 def _concat(rows: list[Row], prefix_len: int, device: torch.device | str = "cpu") -> MicroBatch:
@@ -281,13 +300,23 @@ def _states_and_logits(
     model: torch.nn.Module, mb: MicroBatch, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Last hidden states [L, H] and the logits [M, V] at the positions that predict `targets`."""
+    embeds = _image_embeds(model, mb)  # [L, H], None without images
     if mb.prefix_len == 0:
-        states = _packed_forward(model, mb)
+        states = _packed_forward(model, mb, embeds)
     elif _drops_kv_cache(_backbone(model)) or (torch.is_grad_enabled() and hasattr(model, ROOT_FORWARD)):
-        states = _prefix_once_forward(model, mb)  # the module docstring says why not the KV cache here
+        states = _prefix_once_forward(model, mb, embeds)  # the module docstring says why not the KV cache here
     else:
-        states = _shared_forward(model, mb)
+        states = _shared_forward(model, mb, embeds)
     return states, model.get_output_embeddings()(states[targets - 1])
+
+
+def _image_embeds(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor | None:
+    """Input embeddings [L, H] with the vision tower's features in the placeholders of the micro-batch's
+    images (gradients reach the tower), or None for rows without images (the decoder embeds the ids)."""
+    images = mb.images
+    if not images:
+        return None
+    return embed_with_images(model, mb.input_ids, images, image_token_id(model))
 
 
 def _as_forward(model: torch.nn.Module, fn, *args):
@@ -297,24 +326,26 @@ def _as_forward(model: torch.nn.Module, fn, *args):
     return run(fn, *args) if run is not None else fn(*args)
 
 
-def _packed_forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+def _packed_forward(model: torch.nn.Module, mb: MicroBatch, embeds: torch.Tensor | None = None) -> torch.Tensor:
     """Last hidden states [L, H] of the rows packed into one sequence (block-diagonal attention)."""
+    tokens = {"input_ids": mb.input_ids[None]} if embeds is None else {"inputs_embeds": embeds[None]}
     out = _backbone(model)(
-        input_ids=mb.input_ids[None],
+        **tokens,
         position_ids=mb.position_ids[None],
         use_cache=False,  # a cache would switch off transformers' packed-sequence (block-diagonal) mask
     )
     return out.last_hidden_state[0]
 
 
-def _shared_forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+def _shared_forward(model: torch.nn.Module, mb: MicroBatch, embeds: torch.Tensor | None = None) -> torch.Tensor:
     """Last hidden states [L, H]: the shared prefix runs once, its KV is copied to every row's suffix.
 
     Gradients flow through the copies into the prefix pass, so this is exact, not an approximation.
     """
     backbone, C, dev = _backbone(model), mb.prefix_len, mb.input_ids.device
     B, S = len(mb.row_lens), max(mb.row_lens) - C
-    embeds = backbone.get_input_embeddings()(mb.input_ids)  # [L, H] one lookup: one dense [V, H] gradient, not two
+    if embeds is None:  # [L, H] one lookup: one dense [V, H] gradient, not two
+        embeds = backbone.get_input_embeddings()(mb.input_ids)
     cache = DynamicCache()
     prefix_pos = torch.arange(C, device=dev)[None]
     backbone(inputs_embeds=embeds[None, :C], position_ids=prefix_pos, past_key_values=cache, use_cache=True)
@@ -337,7 +368,7 @@ def _shared_forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     return states.index_put((index,), hidden.reshape(B * S, -1)[valid])
 
 
-def _prefix_once_forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+def _prefix_once_forward(model: torch.nn.Module, mb: MicroBatch, embeds: torch.Tensor | None = None) -> torch.Tensor:
     """Last hidden states [L, H]: the shared prefix once, then every row's suffix, as one sequence in one
     forward call; a 4D mask lets a suffix token see the prefix and the earlier tokens of its own row.
     Positions continue from the prefix in every suffix, as in the row itself. Zeros inside the prefix
@@ -351,8 +382,9 @@ def _prefix_once_forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor
     )  # [L'] -1 in the prefix, else the row
     i = torch.arange(len(take), device=dev)
     sees = (i[:, None] >= i[None, :]) & ((owner[:, None] == owner[None, :]) | (owner[None, :] == -1))  # [L', L']
+    tokens = {"input_ids": mb.input_ids[take][None]} if embeds is None else {"inputs_embeds": embeds[take][None]}
     out = _backbone(model)(
-        input_ids=mb.input_ids[take][None],
+        **tokens,
         position_ids=mb.position_ids[take][None],
         attention_mask=sees[None, None],  # [1, 1, L', L'] used as given (transformers' custom 4D mask)
         use_cache=False,

@@ -46,6 +46,7 @@ from agent_r1.env.base import Env
 from agent_r1.models.loading import load_model, place_model, resolve_model_path
 from agent_r1.models.lora import merged_copy, with_lora
 from agent_r1.models.precision import model_device
+from agent_r1.models.vision import image_token_id
 from agent_r1.observe.health import HealthMonitor
 from agent_r1.observe.loggers import Loggers
 from agent_r1.observe.plot import plot_metrics, read_metrics
@@ -204,7 +205,7 @@ def train(
 
             # 3. rows (merged once), reference log-probs, old values ---------------------------------------
             sequences = [merge_trajectory(t) for t in trajs]
-            rows, where = build_rows(train_trajs, [sequences[i] for i in kept])
+            rows, where = build_rows(train_trajs, [sequences[i] for i in kept], image_token_id(model))
             dropped: set[str] = set()  # groups without a group-relative signal
             if cfg.algo.estimator in adv_fns.GROUP_ESTIMATORS:
                 alone = {g for g, n in Counter(groups).items() if n == 1}  # the rest errored: no baseline

@@ -17,7 +17,7 @@ from agent_r1.algos.losses import kl_penalty
 from agent_r1.algos.off_policy import drift_metrics, truncated_is_weights
 from agent_r1.distributed.group import SINGLE, Dist
 from agent_r1.observe.records import trajectory_records, write_records
-from agent_r1.trainer.batching import Row, forward_rows, token_logprobs
+from agent_r1.trainer.batching import Row, forward_rows, image_row_key, token_logprobs
 from agent_r1.types import TrainSequence, Trajectory
 
 
@@ -30,9 +30,11 @@ class RowIndex:
     step_tokens: list[torch.Tensor]  # per trajectory [K_i]: sampled tokens of each step
 
 
-def build_rows(trajs: list[Trajectory], sequences: list[list[TrainSequence]]) -> tuple[list[Row], RowIndex]:
+def build_rows(
+    trajs: list[Trajectory], sequences: list[list[TrainSequence]], image_token: int | None = None
+) -> tuple[list[Row], RowIndex]:
     """Rows of every trajectory from `sequences[i]`, its merged rows, with one segment id per step
-    response (GSPO's sequences, the seq-mean aggregations)."""
+    response (GSPO's sequences, the seq-mean aggregations); `image_token` is a VLM's placeholder id."""
     rows, owners, step_idx = [], [], []
     seg_base = 0
     for ti, (t, seqs) in enumerate(zip(trajs, sequences, strict=True)):
@@ -45,6 +47,8 @@ def build_rows(trajs: list[Trajectory], sequences: list[list[TrainSequence]]) ->
                     old_logp=torch.tensor(seq.logprobs, dtype=torch.float32),
                     adv=torch.zeros(len(seq.input_ids)),
                     seg=torch.where(sidx >= 0, seg_base + sidx, -1),
+                    images=seq.images,
+                    key=image_row_key(seq.input_ids, seq.images, image_token),
                 )
             )
             owners.append(ti)

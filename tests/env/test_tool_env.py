@@ -10,6 +10,7 @@ from agent_r1.env.tool_calls import extract_answer
 from agent_r1.env.tool_env import ToolEnv
 from agent_r1.tools import ToolResult, calculator, echo, tool
 from agent_r1.types import Action, Termination
+from tests.conftest import picture
 
 
 @tool(timeout=0.2)
@@ -253,3 +254,52 @@ async def test_state_is_what_the_tools_showed_not_what_the_agent_wrote(tokenizer
     c = await states(call("echo", {"text": "y"}))
     assert a == b and a[0] == c[0] and a[1] != c[1]
     assert a[0] != a[1]
+
+
+@tool
+def look(what: str) -> ToolResult:
+    """Show pictures.
+
+    Args:
+        what: "one", "two", "broken" or "many"
+    """
+    images = {
+        "one": [picture(1)],
+        "two": [picture(2), picture(3)],
+        "broken": [b"not an image"],
+        "many": [picture(4)] * 5,
+    }
+    return ToolResult(f"showing {what}", images=images[what])
+
+
+async def test_tool_images_enter_the_context_once_with_the_placeholders(tiny_llava):
+    """A tool's images go inside its response; the observation lists every image of the context in
+    placeholder order. A broken image or one past max_images is a note the model reads, and counted."""
+    from agent_r1.env.prompt_format import prompt_format_for
+
+    fmt = prompt_format_for(tiny_llava[1])
+    token = fmt.encoder.image_token_id
+    env = ToolEnv({"look": look}, fmt, max_turns=6, max_images=4)
+    tok = fmt.tokenizer
+    obs = await env.reset({"messages": [{"role": "user", "content": [{"type": "image", "image": picture(0)}]}]})
+    assert len(obs.images) == 1 and obs.token_ids.count(token) == 4
+    obs, _, _, info = await env.step(action(tok, call("look", {"what": "two"})))
+    assert [i.digest for i in obs.images[1:]] == [fmt.encoder.encode(picture(s)).digest for s in (2, 3)]
+    assert obs.token_ids.count(token) == 12 and info["tool_results"][0]["images"] == 2
+    shown = "<tool_response>\nshowing two\n" + "<image>" * 4 + "\n" + "<image>" * 4 + "\n</tool_response>"
+    assert shown in tok.decode(obs.token_ids[-40:])
+    obs, _, _, info = await env.step(action(tok, call("look", {"what": "broken"})))
+    assert info["tool_errors"] == {"bad_image": 1} and len(obs.images) == 3
+    assert "cannot be shown: cannot read image bytes" in tok.decode(obs.token_ids[-60:])
+    obs, _, _, info = await env.step(action(tok, call("look", {"what": "many"})))
+    assert info["tool_errors"] == {"too_many_images": 4} and len(obs.images) == 4
+    assert obs.token_ids.count(token) == 16
+
+
+async def test_a_text_only_model_is_told_where_a_tool_image_was(tokenizer):
+    from agent_r1.env.prompt_format import NO_VISION
+
+    env = ToolEnv({"look": look}, ChatFormat(tokenizer), max_turns=3)
+    await env.reset({"question": "q"})
+    obs, _, _, info = await env.step(action(tokenizer, call("look", {"what": "one"})))
+    assert NO_VISION in tokenizer.decode(obs.token_ids) and obs.images == [] and info["tool_errors"] == {}

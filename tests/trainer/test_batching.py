@@ -210,7 +210,9 @@ def test_the_shared_prefix_is_still_run_once_when_checkpointing_cannot_drop_the_
     calls = []
     for fn in ("_shared_forward", "_packed_forward", "_prefix_once_forward"):
         original = getattr(batching, fn)
-        monkeypatch.setattr(batching, fn, lambda m, mb, fn=fn, original=original: calls.append(fn) or original(m, mb))
+        monkeypatch.setattr(
+            batching, fn, lambda m, mb, *rest, fn=fn, original=original: calls.append(fn) or original(m, mb, *rest)
+        )
     (mb,) = pack(rows()[:3], max_tokens=1000)
     model = tiny_model().train()
     token_logprobs(model, mb)

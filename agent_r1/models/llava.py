@@ -1,0 +1,114 @@
+"""A LLaVA vision-language model built from parts: a Llama-family causal LM plus a SigLIP vision tower.
+
+No pretrained vision-language model ships in a package this machine can install, so the vision demo
+builds a real transformers architecture, `LlavaForConditionalGeneration` (Liu et al., NeurIPS 2023):
+the language model keeps its trained weights, a small SigLIP tower (Zhai et al., 2023) and LLaVA's
+two-layer projector start random and learn in the cold start. Everything downstream (processor, chat
+template, engine, trainer) is what a pretrained LLaVA loaded from a directory goes through.
+
+The processor is built locally too: `LlavaImageProcessorPil` (the torchvision-free one) resizes every
+picture to `image_size` square, and each `patch_size` square becomes one placeholder token.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from transformers import (
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaProcessor,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    SiglipVisionConfig,
+)
+from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+IMAGE_TOKEN = "<image>"
+
+# ChatML with content parts: an image part is the image token (SmolLM2's template, parts added). The
+# default system line is SmolLM2's own, so the language model sees the prompt it was tuned on.
+CHATML_PARTS_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] in ['image', 'image_url'] %}{{ '" + IMAGE_TOKEN + "' }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def build_llava(
+    language_model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    image_size: int = 32,
+    patch_size: int = 8,
+    vision_hidden: int = 64,
+    vision_layers: int = 2,
+    vision_heads: int = 2,
+    seed: int = 0,
+) -> tuple[LlavaForConditionalGeneration, Any]:
+    """A LLaVA model whose language model is `language_model` (its weights, copied) and whose SigLIP
+    tower and projector are random (seeded), with its processor, whose tokenizer is a copy of
+    `tokenizer` plus the image token (the model's embeddings grow by one row). An image becomes
+    (image_size / patch_size)^2 placeholders."""
+    if image_size % patch_size:
+        raise ValueError(f"image_size {image_size} is not a multiple of patch_size {patch_size}")
+    tokenizer = copy.deepcopy(tokenizer)  # the caller's tokenizer stays text-only
+    tokenizer.add_special_tokens({"extra_special_tokens": [IMAGE_TOKEN]}, replace_extra_special_tokens=False)
+    image_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    vision = SiglipVisionConfig(
+        hidden_size=vision_hidden,
+        intermediate_size=2 * vision_hidden,
+        num_hidden_layers=vision_layers,
+        num_attention_heads=vision_heads,
+        image_size=image_size,
+        patch_size=patch_size,
+        vision_use_head=False,  # LLaVA reads the patch states; a pooling head would get no gradient
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=language_model.config,
+        image_token_index=image_id,
+        vision_feature_select_strategy="full",  # SigLIP has no CLS token to drop
+        vision_feature_layer=-1,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlavaForConditionalGeneration(config)
+    model.model.language_model.load_state_dict(language_model.get_decoder().state_dict())
+    if not config.tie_word_embeddings:
+        model.lm_head.load_state_dict(language_model.get_output_embeddings().state_dict())
+    model.generation_config = language_model.generation_config
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    model.to(language_model.dtype).eval()
+    return model, llava_processor(tokenizer, image_size, patch_size)
+
+
+def llava_processor(tokenizer: PreTrainedTokenizerBase, image_size: int, patch_size: int) -> Any:
+    """LLaVA's processor for square `image_size` pictures, with the ChatML-with-parts template."""
+    images = LlavaImageProcessorPil(
+        size={"height": image_size, "width": image_size},
+        do_center_crop=False,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
+    return LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=patch_size,
+        vision_feature_select_strategy="full",
+        num_additional_image_tokens=0,
+        image_token=IMAGE_TOKEN,
+        chat_template=CHATML_PARTS_TEMPLATE,
+    )
