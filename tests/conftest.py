@@ -169,3 +169,54 @@ def picture(seed: int, size: tuple[int, int] = (20, 24)):
     import numpy as np
 
     return (np.random.default_rng(seed).random((*size, 3)) * 255).astype("uint8")
+
+
+QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2vl_dir(tokenizer, tmp_path_factory):
+    """A tiny random Qwen2-VL (mrope, a 1-block vision tower, 2x2 patch merging) with its processor
+    (images only: there is no torchvision here), saved as a Hugging Face directory; loaded back with
+    `load_model` / `load_processor` as a real Qwen2-VL would be. 56x56 pictures are 4 placeholders."""
+    import copy
+
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from agent_r1.models.llava import chatml_parts_template
+    from agent_r1.models.loading import image_only_qwen_vl_processor
+
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"extra_special_tokens": list(QWEN_VL_TOKENS)}, replace_extra_special_tokens=False)
+    start, end, image, video = (tok.convert_tokens_to_ids(t) for t in QWEN_VL_TOKENS)
+    text = dict(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]},
+    )  # fmt: skip
+    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2)
+    config = Qwen2VLConfig(
+        text_config=text, vision_config=vision, image_token_id=image, video_token_id=video,
+        vision_start_token_id=start, vision_end_token_id=end,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    processor = image_only_qwen_vl_processor(Qwen2VLProcessor)(
+        Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56),
+        tok,
+        chat_template=chatml_parts_template("<|vision_start|><|image_pad|><|vision_end|>"),
+    )
+    out = tmp_path_factory.mktemp("tiny_qwen2vl")
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2vl(tiny_qwen2vl_dir):
+    from agent_r1.models.loading import load_model, load_processor
+
+    model, _ = load_model(str(tiny_qwen2vl_dir))
+    return model, load_processor(str(tiny_qwen2vl_dir))

@@ -28,23 +28,25 @@ from transformers.models.llava.image_processing_pil_llava import LlavaImageProce
 
 IMAGE_TOKEN = "<image>"
 
-# ChatML with content parts: an image part is the image token (SmolLM2's template, parts added). The
-# default system line is SmolLM2's own, so the language model sees the prompt it was tuned on.
-CHATML_PARTS_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
-    "{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}"
-    "{% elif part['type'] in ['image', 'image_url'] %}{{ '" + IMAGE_TOKEN + "' }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+def chatml_parts_template(image: str) -> str:
+    """ChatML with content parts, an image part rendered as `image` (the model's image markup): SmolLM2's
+    template with parts added. The default system line is SmolLM2's own, so the language model sees the
+    prompt it was tuned on."""
+    return (
+        "{% for message in messages %}"
+        "{% if loop.first and messages[0]['role'] != 'system' %}"
+        "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
+        "{% endif %}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        "{% if part['type'] == 'text' %}{{ part['text'] }}"
+        "{% elif part['type'] in ['image', 'image_url'] %}{{ '" + image + "' }}{% endif %}"
+        "{% endfor %}{% endif %}"
+        "{{ '<|im_end|>\\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
 
 
 def build_llava(
@@ -110,5 +112,5 @@ def llava_processor(tokenizer: PreTrainedTokenizerBase, image_size: int, patch_s
         vision_feature_select_strategy="full",
         num_additional_image_tokens=0,
         image_token=IMAGE_TOKEN,
-        chat_template=CHATML_PARTS_TEMPLATE,
+        chat_template=chatml_parts_template(IMAGE_TOKEN),
     )

@@ -18,7 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.processing_utils import ProcessorMixin
 
 from agent_r1.models.onednn import use_onednn
 from agent_r1.models.precision import TORCH_DTYPES, resolve_device, set_precision
@@ -145,7 +155,8 @@ def load_model(
     path = resolve_model_path(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     weights = "fp32" if training else dtype
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=TORCH_DTYPES[weights])
+    auto = AutoModelForImageTextToText if is_vision_model(path) else AutoModelForCausalLM
+    model = auto.from_pretrained(path, dtype=TORCH_DTYPES[weights])
     model.eval()
     return place_model(model, target, dtype), tokenizer
 
@@ -159,3 +170,55 @@ def place_model(model: torch.nn.Module, device: str | torch.device, dtype: str) 
     if target.type == "cpu":
         use_onednn(model)
     return model
+
+
+def is_vision_model(path: str | Path) -> bool:
+    """Whether the Hugging Face directory holds a vision-language model (its config has a vision tower)."""
+    return getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
+
+
+def load_processor(name_or_path: str = "default") -> ProcessorMixin | None:
+    """The processor of a vision-language model (None for a text-only one): what prompt formats take in
+    place of the tokenizer (`prompt_format_for`), to read images.
+
+    Without torchvision (this project's CPU install), a processor that also handles video cannot be
+    built; the Qwen2-VL family's is then built for images alone (its video processor is all it lacks).
+    """
+    path = resolve_model_path(name_or_path)
+    if not is_vision_model(path):
+        return None
+    kind = AutoConfig.from_pretrained(path).model_type
+    try:
+        processor = AutoProcessor.from_pretrained(path)
+        if getattr(processor, "image_processor", None) is None:  # a tokenizer: the processor class is unknown
+            raise ValueError("AutoProcessor found no processor class")
+        return processor
+    except (ImportError, OSError, AttributeError, TypeError, ValueError) as exc:  # OSError: no video config
+        if kind not in QWEN_VL:
+            raise ValueError(f"cannot build the processor of {path} ({kind}): {exc}".splitlines()[0]) from None
+    cls = image_only_qwen_vl_processor(getattr(importlib.import_module("transformers"), QWEN_VL[kind]))
+    template = path / "chat_template.jinja"
+    return cls(
+        AutoImageProcessor.from_pretrained(path),
+        AutoTokenizer.from_pretrained(path),
+        chat_template=template.read_text() if template.is_file() else None,
+    )
+
+
+QWEN_VL = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}  # model type -> processor
+
+
+def image_only_qwen_vl_processor(cls: type) -> type:
+    """A Qwen2-VL-family processor class that takes no video processor (which needs torchvision). It
+    sets the image and video tokens as the family's own constructor does."""
+
+    class ImageOnly(cls):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+            self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    ImageOnly.__name__ = ImageOnly.__qualname__ = cls.__name__  # saved under the family's own processor class
+    return ImageOnly

@@ -226,3 +226,25 @@ def embed_with_images(
     first = skip - needed[0][1]
     rows = feats[first : first + count].to(embeds.dtype)
     return embeds.masked_scatter(slots[..., None], rows)
+
+
+def rope_index(model: torch.nn.Module) -> Any:
+    """The model's own function for multi-dimensional rotary positions (the Qwen2-VL family's mrope,
+    `get_rope_index`), or None for a model whose positions are token indices."""
+    for module in model.modules():
+        fn = getattr(module, "get_rope_index", None)
+        if callable(fn):
+            return fn
+    return None
+
+
+def rope_positions(fn: Any, ids: Sequence[int] | torch.Tensor, images: Sequence[Image], token_id: int) -> torch.Tensor:
+    """Positions [3, T] of a whole prompt or row from the model's `get_rope_index` (Qwen2-VL, Wang et al.
+    2024: an image's tokens take (time, row, column) positions, and the text after it continues from
+    its largest one). Always from the whole sequence: a token's position does not depend on what
+    follows it, but `get_rope_index` cannot start inside an image."""
+    t = torch.as_tensor(ids).reshape(1, -1)
+    grid = torch.cat([i.inputs["image_grid_thw"] for i in images]).to(t.device) if images else None
+    types = (t == token_id).int()  # 1 on image placeholders, 0 on text
+    positions, _ = fn(input_ids=t, mm_token_type_ids=types, image_grid_thw=grid, attention_mask=torch.ones_like(t))
+    return positions[:, 0]  # [3, T]

@@ -57,7 +57,15 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from agent_r1.models.precision import autocast, model_device
-from agent_r1.models.vision import check_images, count_placeholders, embed_with_images, image_token_id, placeholder_keys
+from agent_r1.models.vision import (
+    check_images,
+    count_placeholders,
+    embed_with_images,
+    image_token_id,
+    placeholder_keys,
+    rope_index,
+    rope_positions,
+)
 from agent_r1.rollout.engine import GenerateOutput, SamplingParams, alias_key, full_state_dict
 from agent_r1.rollout.kv_cache import SlotCache
 from agent_r1.types import Image
@@ -84,6 +92,8 @@ class _Seq:
     member: _Member | None = None  # the cohort member that asked, if any
     images: list[Image] = field(default_factory=list)  # the images of the prompt's placeholders, in order
     key: list[int] = field(default_factory=list)  # the prompt as compared with others: ids, images by digest
+    rope: torch.Tensor | None = None  # [3, P] mrope positions of a prompt with images (Qwen2-VL family)
+    delta: int = 0  # position - column of every token after the last image (its sampled tokens)
     out_ids: list[int] = field(default_factory=list)
     out_lp: list[float] = field(default_factory=list)
     finish: str = "length"
@@ -158,6 +168,7 @@ class LocalEngine:
         text_config = model.config.get_text_config()
         self.max_context = max_context or int(getattr(text_config, "max_position_embeddings", 2048))
         self.image_token_id = image_token_id(model)  # None for a text-only model
+        self._rope_index = rope_index(model)  # Qwen2-VL's get_rope_index: positions are not columns
         self.batch_wait_s = batch_wait_s  # an idle engine waits this long for concurrent callers to arrive
         self.min_shared_prefix = min_shared_prefix  # shorter common prefixes are not worth a separate pass
         self.kv_cache_bytes = int(kv_cache_gb * 2**30)  # slots (running and parked) never take more
@@ -334,7 +345,11 @@ class LocalEngine:
         gen = torch.Generator(device="cpu").manual_seed(seed)
         budget = min(params.max_new_tokens, self.max_context - len(prompt))
         key = placeholder_keys(prompt, images, self.image_token_id)
-        return _Seq(list(prompt), params, seed, gen, budget, emit, done, cancelled, images=list(images), key=key)
+        s = _Seq(list(prompt), params, seed, gen, budget, emit, done, cancelled, images=list(images), key=key)
+        if images and self._rope_index is not None:  # positions from the model's own function
+            s.rope = rope_positions(self._rope_index, prompt, images, self.image_token_id)  # [3, P]
+            s.delta = int(s.rope.max()) + 1 - len(prompt)
+        return s
 
     def _submit(self, seqs: list[_Seq]) -> None:
         """Queue sequences for the decode thread (started when idle); a prompt that fills the context
@@ -609,6 +624,7 @@ class LocalEngine:
             return
         job = _Seq(seqs[0].prompt[:C], SamplingParams(), 0, None, 0, None, None, None)  # type: ignore[arg-type]
         job.images, job.key = seqs[0].images, first[:C]  # a cut inside an image takes its first features
+        job.rope = seqs[0].rope[:, :C] if seqs[0].rope is not None else None
         self._place(job, self._open_running_slot())
         if entry is not None:
             self._slots().move(entry.slot, job.slot, m)
@@ -646,10 +662,16 @@ class LocalEngine:
         ids = torch.tensor(
             [[self.pad_id] * (S - len(s.prompt) + s.n) + s.prompt[s.n :] for s in seqs], device=dev
         )  # [u, S]
-        positions = torch.where(pad, 0, m[:, None] + k)  # [u, S]
+        positions = torch.where(pad, 0, m[:, None] + k)  # [u, S] columns, and positions of a 1D-rope model
         cols = torch.where(pad, m[:, None] + own[:, None] + j, m[:, None] + k)  # [u, S] padding writes past the end
         kv = torch.arange(W, device=dev)[None, None]  # [1, 1, W]
         sees = torch.where(pad[..., None], kv == 0, kv <= positions[..., None])  # [u, S, W]
+        position_ids = positions
+        if any(s.rope is not None for s in seqs):  # [3, u, S] mrope positions of the computed tokens
+            position_ids = positions[None].repeat(3, 1, 1)
+            for r, s in enumerate(seqs):
+                if s.rope is not None:
+                    position_ids[:, r, S - len(s.prompt) + s.n :] = s.rope[:, s.n :].to(dev)
         cache.first, cache.cols, cache.width = seqs[0].slot, cols, W
         start = time.perf_counter()
         inputs = {"input_ids": ids}
@@ -660,7 +682,7 @@ class LocalEngine:
             inputs = {"inputs_embeds": torch.stack(embeds)}  # [u, S, H]
         out = self.model(
             **inputs,
-            position_ids=positions,
+            position_ids=position_ids,
             attention_mask=self._mask(sees, positions),
             past_key_values=cache,
             use_cache=True,
@@ -676,15 +698,17 @@ class LocalEngine:
     def _decode(self, rows: list[_Seq]) -> torch.Tensor:
         """Feed every running row its last sampled token at its own column; return the logits [b, V]."""
         dev, cache = model_device(self.model), self._slots()
-        n = torch.tensor([s.n for s in rows], device=dev)  # [b] the column (= position) of the new token
+        n = torch.tensor([s.n for s in rows], device=dev)  # [b] the column of the new token
         last = torch.tensor([s.out_ids[-1] for s in rows], device=dev)  # [b]
+        # its position: the column, moved by the images before it for mrope (the same in all 3 dims)
+        position = n + torch.tensor([s.delta for s in rows], device=dev) if self._rope_index is not None else n
         W = int(n.max()) + 1
         cache.first, cache.cols, cache.width = 0, n[:, None], W
         sees = torch.arange(W, device=dev)[None, None] <= n[:, None, None]  # [b, 1, W]
         start = time.perf_counter()
         out = self.model(
             input_ids=last[:, None],
-            position_ids=n[:, None],
+            position_ids=position[:, None],
             attention_mask=self._mask(sees, n[:, None]),
             past_key_values=cache,
             use_cache=True,

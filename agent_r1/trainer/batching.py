@@ -32,7 +32,7 @@ from transformers import DynamicCache
 from agent_r1.distributed.fsdp import ROOT_FORWARD
 from agent_r1.distributed.group import SINGLE, Dist
 from agent_r1.models.precision import autocast, model_device
-from agent_r1.models.vision import embed_with_images, image_token_id, placeholder_keys
+from agent_r1.models.vision import embed_with_images, image_token_id, placeholder_keys, rope_index, rope_positions
 from agent_r1.types import Image
 
 
@@ -300,13 +300,13 @@ def _states_and_logits(
     model: torch.nn.Module, mb: MicroBatch, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Last hidden states [L, H] and the logits [M, V] at the positions that predict `targets`."""
-    embeds = _image_embeds(model, mb)  # [L, H], None without images
+    embeds, rope = _image_embeds(model, mb), _rope(model, mb)  # [L, H] and [3, L], None without images
     if mb.prefix_len == 0:
-        states = _packed_forward(model, mb, embeds)
+        states = _packed_forward(model, mb, embeds, rope)
     elif _drops_kv_cache(_backbone(model)) or (torch.is_grad_enabled() and hasattr(model, ROOT_FORWARD)):
-        states = _prefix_once_forward(model, mb, embeds)  # the module docstring says why not the KV cache here
+        states = _prefix_once_forward(model, mb, embeds, rope)  # the module docstring says why not the KV cache here
     else:
-        states = _shared_forward(model, mb, embeds)
+        states = _shared_forward(model, mb, embeds, rope)
     return states, model.get_output_embeddings()(states[targets - 1])
 
 
@@ -319,6 +319,23 @@ def _image_embeds(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor | None
     return embed_with_images(model, mb.input_ids, images, image_token_id(model))
 
 
+def _rope(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor | None:
+    """Multi-dimensional rotary positions [3, L] of the micro-batch's rows (each from its own start, by
+    the model's `get_rope_index`) for a Qwen2-VL-family model given images; None otherwise (positions
+    are `mb.position_ids`)."""
+    fn = rope_index(model) if mb.images else None
+    if fn is None:
+        return None
+    token = image_token_id(model)
+    parts = [
+        rope_positions(fn, mb.input_ids[start : start + n], row.images, token)
+        if row.images
+        else mb.position_ids[start : start + n].expand(3, -1)
+        for row, (start, n) in zip(mb.rows, mb.row_spans, strict=True)
+    ]
+    return torch.cat(parts, dim=1)
+
+
 def _as_forward(model: torch.nn.Module, fn, *args):
     """`fn(*args)` as the model's forward: a model sharded by FSDP2 gathers its root weights (embeddings,
     LM head) only around one (agent_r1/distributed/fsdp.py); any other model just runs `fn`."""
@@ -326,18 +343,25 @@ def _as_forward(model: torch.nn.Module, fn, *args):
     return run(fn, *args) if run is not None else fn(*args)
 
 
-def _packed_forward(model: torch.nn.Module, mb: MicroBatch, embeds: torch.Tensor | None = None) -> torch.Tensor:
-    """Last hidden states [L, H] of the rows packed into one sequence (block-diagonal attention)."""
+def _packed_forward(
+    model: torch.nn.Module, mb: MicroBatch, embeds: torch.Tensor | None = None, rope: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Last hidden states [L, H] of the rows packed into one sequence (block-diagonal attention). With
+    mrope the positions are [4, 1, L]: the text positions that restart per row (how transformers sees
+    the packing), then the three rotary ones."""
     tokens = {"input_ids": mb.input_ids[None]} if embeds is None else {"inputs_embeds": embeds[None]}
+    positions = mb.position_ids[None] if rope is None else torch.cat([mb.position_ids[None], rope])[:, None]
     out = _backbone(model)(
         **tokens,
-        position_ids=mb.position_ids[None],
+        position_ids=positions,
         use_cache=False,  # a cache would switch off transformers' packed-sequence (block-diagonal) mask
     )
     return out.last_hidden_state[0]
 
 
-def _shared_forward(model: torch.nn.Module, mb: MicroBatch, embeds: torch.Tensor | None = None) -> torch.Tensor:
+def _shared_forward(
+    model: torch.nn.Module, mb: MicroBatch, embeds: torch.Tensor | None = None, rope: torch.Tensor | None = None
+) -> torch.Tensor:
     """Last hidden states [L, H]: the shared prefix runs once, its KV is copied to every row's suffix.
 
     Gradients flow through the copies into the prefix pass, so this is exact, not an approximation.
@@ -347,7 +371,7 @@ def _shared_forward(model: torch.nn.Module, mb: MicroBatch, embeds: torch.Tensor
     if embeds is None:  # [L, H] one lookup: one dense [V, H] gradient, not two
         embeds = backbone.get_input_embeddings()(mb.input_ids)
     cache = DynamicCache()
-    prefix_pos = torch.arange(C, device=dev)[None]
+    prefix_pos = torch.arange(C, device=dev)[None] if rope is None else rope[:, None, :C]  # [1, C] or [3, 1, C]
     backbone(inputs_embeds=embeds[None, :C], position_ids=prefix_pos, past_key_values=cache, use_cache=True)
     cache.batch_repeat_interleave(B)
     spans = mb.row_spans
@@ -357,7 +381,7 @@ def _shared_forward(model: torch.nn.Module, mb: MicroBatch, embeds: torch.Tensor
     out = backbone(
         inputs_embeds=embeds[take],  # [B, S, H]
         attention_mask=attn,
-        position_ids=(C + torch.arange(S, device=dev)).expand(B, S),
+        position_ids=(C + torch.arange(S, device=dev)).expand(B, S) if rope is None else rope[:, take],  # or [3, B, S]
         past_key_values=cache,
         use_cache=True,
     )
@@ -368,7 +392,9 @@ def _shared_forward(model: torch.nn.Module, mb: MicroBatch, embeds: torch.Tensor
     return states.index_put((index,), hidden.reshape(B * S, -1)[valid])
 
 
-def _prefix_once_forward(model: torch.nn.Module, mb: MicroBatch, embeds: torch.Tensor | None = None) -> torch.Tensor:
+def _prefix_once_forward(
+    model: torch.nn.Module, mb: MicroBatch, embeds: torch.Tensor | None = None, rope: torch.Tensor | None = None
+) -> torch.Tensor:
     """Last hidden states [L, H]: the shared prefix once, then every row's suffix, as one sequence in one
     forward call; a 4D mask lets a suffix token see the prefix and the earlier tokens of its own row.
     Positions continue from the prefix in every suffix, as in the row itself. Zeros inside the prefix
@@ -385,7 +411,7 @@ def _prefix_once_forward(model: torch.nn.Module, mb: MicroBatch, embeds: torch.T
     tokens = {"input_ids": mb.input_ids[take][None]} if embeds is None else {"inputs_embeds": embeds[take][None]}
     out = _backbone(model)(
         **tokens,
-        position_ids=mb.position_ids[take][None],
+        position_ids=mb.position_ids[take][None] if rope is None else rope[:, take][:, None],
         attention_mask=sees[None, None],  # [1, 1, L', L'] used as given (transformers' custom 4D mask)
         use_cache=False,
     ).last_hidden_state[0]  # [L', H]

@@ -1,6 +1,7 @@
 """The log-prob guard rail with images: an image in the first observation and another in each tool
 result, through the engine (prefix sharing, parked slots), merging and the trainer's micro-batches."""
 
+import pytest
 import torch
 
 from agent_r1.env.base import StepResult
@@ -10,7 +11,8 @@ from agent_r1.rollout.agent_loop import AgentEnvLoop
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.merge import merge_trajectory
-from agent_r1.trainer.batching import pack
+from agent_r1.trainer import batching
+from agent_r1.trainer.batching import pack, token_logprobs
 from agent_r1.trainer.rows import build_rows, row_logprobs
 from agent_r1.types import Observation, Termination
 from tests.conftest import picture
@@ -65,15 +67,25 @@ def rollout(model, processor, tasks, group=2):
 
 
 def reference(model, ids, images):
-    """Log-probs [T-1] of a row from the model's own forward (pixel_values, its own placeholder scatter)."""
-    pixels = torch.cat([i.inputs["pixel_values"] for i in images])
+    """Log-probs [T-1] of a row from the model's own forward: its own placeholder scatter, and for
+    Qwen2-VL its own mrope positions of the whole row."""
+    inputs = {k: torch.cat([i.inputs[k] for i in images]) for k in images[0].inputs}
+    t = torch.tensor([ids])
+    if "image_grid_thw" in inputs:
+        inputs["mm_token_type_ids"] = (t == image_token_id(model)).int()
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+        logits = model(input_ids=t, **inputs).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, t[0, 1:, None]).squeeze(-1)
 
 
-def test_image_trajectories_are_token_exact_in_rollout_and_training(tiny_llava):
-    model, processor = tiny_llava
+@pytest.fixture(params=["tiny_llava", "tiny_qwen2vl"])
+def vlm(request):
+    """A LLaVA (1D positions) and a Qwen2-VL (mrope positions from get_rope_index), each with its processor."""
+    return request.getfixturevalue(request.param)
+
+
+def test_image_trajectories_are_token_exact_in_rollout_and_training(vlm, monkeypatch):
+    model, processor = vlm
     token = image_token_id(model)
     tasks = [{"seed": 1}, {"seed": 2}]  # the same text, different pictures
     engine, trajs = rollout(model, processor, tasks)
@@ -83,7 +95,7 @@ def test_image_trajectories_are_token_exact_in_rollout_and_training(tiny_llava):
     seqs = [merge_trajectory(t) for t in trajs]
     assert all(len(s) == 1 and len(s[0].images) == 3 for s in seqs)  # images extend: one row per episode
     for (row,) in seqs:
-        assert row.input_ids.count(token) == 12
+        assert row.input_ids.count(token) == sum(i.num_tokens for i in row.images) >= 12
         mask = torch.tensor(row.loss_mask[1:], dtype=torch.bool)
         ref = reference(model, row.input_ids, row.images)
         assert (ref[mask] - torch.tensor(row.logprobs[1:])[mask]).abs().max().item() <= 1e-4
@@ -93,12 +105,22 @@ def test_image_trajectories_are_token_exact_in_rollout_and_training(tiny_llava):
     assert [mb.prefix_len for mb in pack(rows, 4096)] == [first_image]  # by ids it would run past the image
     for row, got in zip(rows, row_logprobs(model, rows, 4096, 1.0), strict=True):
         assert (got - row.old_logp)[row.mask > 0].abs().max().item() <= 1e-4
+    # the other two forwards: rows packed one after another, and the prefix run once under a 4D mask
+    assert trainer_gap(model, pack(rows, 4096, min_shared_prefix=10**6)) <= 1e-4
+    monkeypatch.setattr(batching, "_drops_kv_cache", lambda backbone: True)  # as under checkpointing
+    assert trainer_gap(model, pack(rows, 4096)) <= 1e-4
 
 
-def test_same_ids_different_pictures_are_never_shared(tiny_llava):
+def trainer_gap(model, micro_batches) -> float:
+    """Largest |trainer - rollout| log-prob over the sampled tokens of the micro-batches."""
+    with torch.no_grad():
+        return max(((token_logprobs(model, mb)[0] - mb.old_logp) * mb.mask).abs().max().item() for mb in micro_batches)
+
+
+def test_same_ids_different_pictures_are_never_shared(vlm):
     """Two prompts whose ids are equal (placeholders alike) but whose pictures differ sample as if each
-    were alone; the same picture twice is one prefill."""
-    model, processor = tiny_llava
+    were alone."""
+    model, processor = vlm
     fmt = prompt_format_for(processor)
     msgs = [
         [{"role": "user", "content": [{"type": "text", "text": QUESTION}, {"type": "image", "image": picture(s)}]}]
