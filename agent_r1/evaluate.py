@@ -17,7 +17,7 @@ from scipy import stats
 
 from agent_r1.data import Split
 from agent_r1.env.base import Env
-from agent_r1.models.loading import load_model
+from agent_r1.models.loading import load_model, load_processor
 from agent_r1.models.precision import Device, Precision
 from agent_r1.observe.records import trajectory_records, write_records
 from agent_r1.rollout.agent_loop import AgentEnvLoop, correct, summarize
@@ -83,7 +83,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str,
     if not tasks:
         raise ValueError(f"task {cfg.task.name!r} has no {cfg.split} tasks")
     model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
-    make_env = cfg.task.env_factory(tokenizer, resolve_chat(cfg.prompt_format, tokenizer, cfg.model), cfg.max_turns)
+    processor = load_processor(cfg.model) or tokenizer  # a vision-language model reads images through it
+    make_env = cfg.task.env_factory(processor, resolve_chat(cfg.prompt_format, processor, cfg.model), cfg.max_turns)
     engine = LocalEngine(
         model, tokenizer, max_batch_size=cfg.max_batch_size, seed=cfg.seed, kv_cache_gb=cfg.kv_cache_gb
     )

@@ -28,6 +28,7 @@ from transformers.models.llava.image_processing_pil_llava import LlavaImageProce
 
 IMAGE_TOKEN = "<image>"
 
+
 def chatml_parts_template(image: str) -> str:
     """ChatML with content parts, an image part rendered as `image` (the model's image markup): SmolLM2's
     template with parts added. The default system line is SmolLM2's own, so the language model sees the

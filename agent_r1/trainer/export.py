@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from agent_r1.models.loading import is_chat_model, load_model
+from agent_r1.models.loading import is_chat_model, load_model, load_processor
 from agent_r1.models.lora import LoraConfig, with_lora
 from agent_r1.trainer.checkpoint import export_policy, latest_checkpoint, load_sharded_weights, load_trained_state
 
@@ -54,6 +54,7 @@ def load_policy(checkpoint: Path, model: str | None = None) -> tuple[torch.nn.Mo
     if not base:
         raise ValueError(f"checkpoint {checkpoint} records no base model: pass model=NAME_OR_DIR")
     policy, tokenizer = load_model(base)
+    tokenizer = load_processor(base) or tokenizer  # a vision-language model's processor is exported whole
     lora = config.get("lora") or {}
     if lora.get("enabled"):
         policy = with_lora(policy, LoraConfig(**lora))

@@ -43,7 +43,7 @@ from agent_r1.distributed import fsdp
 from agent_r1.distributed.group import Dist, contiguous_shards, init_distributed
 from agent_r1.distributed.ray_rollout import RayRollout, connect_ray
 from agent_r1.env.base import Env
-from agent_r1.models.loading import load_model, place_model, resolve_model_path
+from agent_r1.models.loading import load_model, load_processor, place_model, resolve_model_path
 from agent_r1.models.lora import merged_copy, with_lora
 from agent_r1.models.precision import model_device
 from agent_r1.models.vision import image_token_id
@@ -108,8 +108,10 @@ def train(
 
     # --- model, reference, critic, optimizer, engine ----------------------------------------------
     chat_hint = cfg.model if model is None else None  # the prompt format of the model actually trained
+    processor = tokenizer  # a vision-language model's processor, else the tokenizer: what formats take
     if model is None:
         model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, training=True)
+        processor = load_processor(cfg.model) or tokenizer
     place_model(model, cfg.device, cfg.dtype)  # a model passed in too: its device, precision and kernels
     policy = with_lora(model, cfg.lora) if cfg.lora.enabled else model
     if cfg.optim.gradient_checkpointing:  # recompute activations in backward: less memory, ~1/3 more compute
@@ -135,14 +137,14 @@ def train(
     recompute = cfg.algo.recompute_old_logprobs(cfg.rollout.engine, cfg.dtype)
 
     # --- task: training tasks, the env factory, validation -------------------------------------------
-    chat = resolve_chat(cfg.prompt_format, tokenizer, chat_hint)
+    chat = resolve_chat(cfg.prompt_format, processor, chat_hint)
     own_task = make_env is None  # the config's task (not an env passed in) is what the policy learns
-    make_env = make_env or cfg.task.env_factory(tokenizer, chat, cfg.rollout.max_turns)
+    make_env = make_env or cfg.task.env_factory(processor, chat, cfg.rollout.max_turns)
     sampler = TaskSampler(tasks if tasks is not None else cfg.task.tasks("train", 4096, cfg.seed), cfg.seed)
     info = policy_info(cfg.model, chat, cfg.task.to_raw() if own_task else None)
     validator = None
     if dist.main:  # greedy validation on rank 0's own engine; the other ranks wait in the next collective
-        validator = make_validator(cfg, engine, None if own_task else make_env, plain, tokenizer, chat, info, console)
+        validator = make_validator(cfg, engine, None if own_task else make_env, plain, processor, chat, info, console)
     workers = None
     if cfg.cluster.rollout_workers and dist.main:
         source = _engine_source(cfg, plain, tokenizer, run_dir, chat_hint is not None)
@@ -292,7 +294,7 @@ def train(
         loggers.close()
         plot_metrics(read_metrics(run_dir), run_dir / "plots" / "curves.png", title=str(run_dir))
         if not (validator and cfg.val.keep_best):  # with keep_best, policy/ already holds the best step
-            export_policy(plain, tokenizer, run_dir / "policy", info=info | {"step": cfg.steps})
+            export_policy(plain, processor, run_dir / "policy", info=info | {"step": cfg.steps})
     dist.barrier()  # no rank leaves (and tears the process group down) before rank 0 has exported
     return history
 

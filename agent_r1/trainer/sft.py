@@ -21,12 +21,13 @@ from transformers import PreTrainedTokenizerBase
 
 from agent_r1.config import to_dict
 from agent_r1.env.prompt_format import PromptFormat
-from agent_r1.models.loading import load_model, place_model
+from agent_r1.models.loading import load_model, load_processor, place_model
 from agent_r1.models.lora import LoraConfig, with_lora
 from agent_r1.models.precision import Device, Precision, model_device
+from agent_r1.models.vision import image_token_id
 from agent_r1.rollout.merge import merge_trajectory
 from agent_r1.task import TaskSpec, resolve_chat
-from agent_r1.trainer.batching import Row, pack, token_logprobs
+from agent_r1.trainer.batching import Row, image_row_key, pack, token_logprobs
 from agent_r1.trainer.checkpoint import export_policy, save_checkpoint
 from agent_r1.trainer.common import adamw, lr_schedule
 from agent_r1.trainer.export import policy_info
@@ -88,16 +89,17 @@ def demo_to_sequence(
     """
     if len(demo) < 2 or demo[0]["role"] != "user" or demo[-1]["role"] != "assistant":
         raise ValueError("a demonstration is [user, assistant, (tool result, assistant)...]")
-    context = fmt.initial([*prefix, demo[0]])
+    context, images = fmt.initial([*prefix, demo[0]]), fmt.images([*prefix, demo[0]])
     steps = []
     for k in range(1, len(demo), 2):
         last = k == len(demo) - 1
         ids = tokenizer.encode(demo[k]["content"], add_special_tokens=False)
         if last:
             ids.append(tokenizer.eos_token_id)  # the final answer ends the episode with EOS
-        steps.append(Step(list(context), ids, [0.0] * len(ids), index=len(steps)))
+        steps.append(Step(list(context), ids, [0.0] * len(ids), index=len(steps), images=list(images)))
         if not last:
             context = context + ids + fmt.continuation([demo[k + 1]], after_eos=False)
+            images = images + fmt.images([demo[k + 1]])
     (row,) = merge_trajectory(Trajectory(task={}, traj_id="demo", group_id="demo", steps=steps))
     return row
 
@@ -109,14 +111,16 @@ def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any 
     write_text_atomic(run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
     torch.manual_seed(cfg.seed)
     chat_hint = cfg.model if model is None else None
+    processor = tokenizer  # a vision-language model's processor, else the tokenizer: what formats take
     if model is None:
         model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, training=True)
+        processor = load_processor(cfg.model) or tokenizer
     place_model(model, cfg.device, cfg.dtype)  # a model passed in too: its device, precision and kernels
     policy = with_lora(model, cfg.lora) if cfg.lora.enabled else model
-    chat = resolve_chat(cfg.prompt_format, tokenizer, chat_hint)
+    chat = resolve_chat(cfg.prompt_format, processor, chat_hint)
 
     # the prompt prefix RL and eval will use: system (tools + instructions) and optional example
-    env = cfg.task.env_factory(tokenizer, chat, max_turns=1)()
+    env = cfg.task.env_factory(processor, chat, max_turns=1)()
     rows = []
     for demo in cfg.task.module.demos(cfg.task.options, env, cfg.num_examples, cfg.seed):
         seq = demo_to_sequence(demo, env.prompt_prefix, env.format, tokenizer)
@@ -128,6 +132,8 @@ def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any 
                 old_logp=torch.zeros(n),
                 adv=torch.zeros(n),
                 seg=torch.zeros(n, dtype=torch.long),
+                images=seq.images,
+                key=image_row_key(seq.input_ids, seq.images, image_token_id(model)),
             )
         )
 
@@ -176,6 +182,6 @@ def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any 
     policy.eval()
     save_checkpoint(run_dir, step, {"policy": policy}, optimizer, scheduler, {"cursor": 0, "config": to_dict(cfg)})
     info = policy_info(cfg.model, chat, cfg.task.to_raw(), step=step)
-    export_policy(policy, tokenizer, run_dir / "policy", info=info)
+    export_policy(policy, processor, run_dir / "policy", info=info)
     console.print(f"SFT done: {len(rows)} demonstrations, final loss {history[-1]['loss']:.3f} -> {run_dir / 'policy'}")
     return history
