@@ -58,7 +58,7 @@ def build_llava(
     patch_size: int = 8,
     vision_hidden: int = 64,
     vision_layers: int = 2,
-    vision_heads: int = 2,
+    vision_heads: int = 4,
     seed: int = 0,
 ) -> tuple[LlavaForConditionalGeneration, Any]:
     """A LLaVA model whose language model is `language_model` (its weights, copied) and whose SigLIP

@@ -59,6 +59,11 @@ BUNDLED: dict[str, BundledModel] = {
         chat=False,
     ),
 }
+# vision-language models built here from a bundled language model (agent_r1/models/llava.py): a random
+# SigLIP tower and projector that learn in the cold start (the vision demo, recipes/vision.yaml)
+BUILT_VLMS: dict[str, dict] = {
+    "smollm2-135m-llava": {"base": "smollm2-135m-instruct", "image_size": 16, "patch_size": 8, "vision_hidden": 128},
+}
 EXPORT_INFO = "agent_r1.json"  # written with every exported policy: how the model is prompted, on which task
 DEFAULT_MODEL = "smollm2-135m-instruct"  # why: see docs/models.md (speed on CPU and a chat template)
 
@@ -68,11 +73,13 @@ def resolve_model_path(name_or_path: str) -> Path:
     name = DEFAULT_MODEL if name_or_path == "default" else name_or_path
     if name in BUNDLED:
         return convert_bundled(name)
+    if name in BUILT_VLMS:
+        return build_vlm(name)
     path = Path(name).expanduser()
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(
-            f"model not found: {name_or_path!r} is neither a bundled model ({', '.join(BUNDLED)}, default) "
-            "nor a Hugging Face model directory with a config.json"
+            f"model not found: {name_or_path!r} is neither a bundled model "
+            f"({', '.join([*BUNDLED, *BUILT_VLMS])}, default) nor a Hugging Face model directory with a config.json"
         )
     return path
 
@@ -92,18 +99,39 @@ def convert_bundled(name: str) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict())
     model.generation_config = quantized.generation_config
+    _save_atomic(out, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+    return out
+
+
+def build_vlm(name: str) -> Path:
+    """Build a BUILT_VLMS model once from its bundled language model (seeded, so every machine builds
+    the same one) into a Hugging Face directory with its processor; return its path."""
+    from agent_r1.models.llava import build_llava
+
+    out = cache_dir() / "models" / name
+    if (out / "config.json").is_file():
+        return out
+    spec = dict(BUILT_VLMS[name])
+    base = convert_bundled(spec.pop("base"))
+    model, processor = build_llava(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), AutoTokenizer.from_pretrained(base), **spec
+    )
+    _save_atomic(out, lambda tmp: (model.save_pretrained(tmp), processor.save_pretrained(tmp)))
+    return out
+
+
+def _save_atomic(out: Path, save) -> None:
+    """`save(tmp)` into a temp dir next to `out`, then rename: a kill never leaves half a model behind."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{name}-"))
-    try:  # write to a temp dir, then rename: a kill never leaves a half-converted model behind
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        save(tmp)
         os.replace(tmp, out)
     except OSError:
         if not (out / "config.json").is_file():
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def _locate_gguf(spec: BundledModel) -> tuple[str, str]:
@@ -138,6 +166,8 @@ def is_chat_model(name_or_path: str, tokenizer: PreTrainedTokenizerBase) -> bool
     name = DEFAULT_MODEL if name_or_path == "default" else name_or_path
     if name in BUNDLED:
         return BUNDLED[name].chat
+    if name in BUILT_VLMS:
+        return True
     recorded = Path(name).expanduser() / EXPORT_INFO  # `agent-r1 export` records the trained format
     if recorded.is_file():
         return json.loads(recorded.read_text()).get("prompt_format") == "chat"

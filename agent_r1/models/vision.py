@@ -248,3 +248,11 @@ def rope_positions(fn: Any, ids: Sequence[int] | torch.Tensor, images: Sequence[
     types = (t == token_id).int()  # 1 on image placeholders, 0 on text
     positions, _ = fn(input_ids=t, mm_token_type_ids=types, image_grid_thw=grid, attention_mask=torch.ones_like(t))
     return positions[:, 0]  # [3, T]
+
+
+VISION_MODULES = ("vision_tower", "multi_modal_projector", "visual", "vision_model", "connector")
+
+
+def is_vision_parameter(name: str) -> bool:
+    """Whether a parameter belongs to the vision tower or its projector (LLaVA, Qwen2-VL, Idefics3 names)."""
+    return any(f"{m}." in name for m in VISION_MODULES)

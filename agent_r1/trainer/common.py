@@ -8,10 +8,12 @@ from collections.abc import Callable
 import torch
 
 
-def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
+def adamw(params: list, lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
     """AdamW with PyTorch's fused kernel where it exists (CPU and CUDA): one pass over each tensor
-    instead of ~10, 4x faster on SmolLM2-135M here (0.13 s -> 0.03 s per step), the same update."""
-    fused = all(p.device.type in ("cpu", "cuda") for p in params)
+    instead of ~10, 4x faster on SmolLM2-135M here (0.13 s -> 0.03 s per step), the same update.
+    `params`: parameters, or param groups (dicts with their own "lr")."""
+    flat = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+    fused = all(p.device.type in ("cpu", "cuda") for p in flat)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
 
 

@@ -24,7 +24,7 @@ from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.models.loading import load_model, load_processor, place_model
 from agent_r1.models.lora import LoraConfig, with_lora
 from agent_r1.models.precision import Device, Precision, model_device
-from agent_r1.models.vision import image_token_id
+from agent_r1.models.vision import image_token_id, is_vision_parameter
 from agent_r1.rollout.merge import merge_trajectory
 from agent_r1.task import TaskSpec, resolve_chat
 from agent_r1.trainer.batching import Row, image_row_key, pack, token_logprobs
@@ -57,6 +57,10 @@ class SFTConfig:
     """demonstrations per optimizer step"""
     lr: float = 3e-5
     """peak learning rate (AdamW), cosine decay after warm-up"""
+    vision_lr: float | None = None
+    """peak learning rate of a vision-language model's vision tower and projector (None = lr): a tower
+    initialised at random needs far more than the pretrained language model (LLaVA trains its new
+    projector at 1e-3)"""
     warmup_steps: int = 2
     """optimizer steps of linear warm-up"""
     grad_clip: float = 1.0
@@ -71,8 +75,8 @@ class SFTConfig:
     """LoRA adapters (off = full fine-tuning)"""
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.lr <= 0 or (self.vision_lr is not None and self.vision_lr <= 0):
+            raise ValueError(f"lr and vision_lr must be > 0, got {self.lr} and {self.vision_lr}")
         if self.num_examples < 1 or self.epochs < 1 or self.batch_size < 1:
             raise ValueError("num_examples, epochs and batch_size must be >= 1")
         if not hasattr(self.task.module, "demos"):
@@ -137,8 +141,16 @@ def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any 
             )
         )
 
-    params = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = adamw(params, cfg.lr)
+    named = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    groups: list = params
+    if cfg.vision_lr is not None:  # the vision tower and projector at their own rate
+        vision = {id(p) for n, p in named if is_vision_parameter(n)}
+        groups = [
+            {"params": [p for p in params if id(p) not in vision]},
+            {"params": [p for p in params if id(p) in vision], "lr": cfg.vision_lr},
+        ]
+    optimizer = adamw(groups, cfg.lr)
     total = cfg.epochs * -(-len(rows) // cfg.batch_size)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(total, cfg.warmup_steps, "cosine"))
     order_rng = random.Random(cfg.seed)
