@@ -25,8 +25,9 @@ from agent_r1.env.base import StepResult
 from agent_r1.env.prompt_format import PromptFormat, prompt_format_for
 from agent_r1.env.tool_calls import CALL_OPEN, extract_answer
 from agent_r1.env.tool_env import ToolEnv
-from agent_r1.models.loading import EXPORT_INFO, load_model
+from agent_r1.models.loading import EXPORT_INFO, load_model, load_processor
 from agent_r1.models.precision import Device, Precision
+from agent_r1.models.vision import read_image
 from agent_r1.rollout.agent_loop import AgentEnvLoop
 from agent_r1.rollout.engine import Engine, GenerateOutput, SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
@@ -35,7 +36,12 @@ from agent_r1.task import TaskSpec, resolve_chat
 from agent_r1.tools import BUILTIN_TOOLS, Tool
 from agent_r1.types import Action, Message, Observation, Trajectory
 
-COMMANDS = {"/reset": "forget the conversation", "/tools": "list the tools", "/exit": "quit (or Ctrl-D)"}
+COMMANDS = {
+    "/image PATH": "show a picture with the next message",
+    "/reset": "forget the conversation",
+    "/tools": "list the tools",
+    "/exit": "quit (or Ctrl-D)",
+}
 
 
 @dataclass
@@ -53,6 +59,8 @@ class ChatConfig:
     """more tools the model may call, comma-separated: calculator, echo (calculator when there is no task)"""
     prompt: str | None = None
     """answer this one message and exit, printing only the final answer (no terminal session)"""
+    images: tuple[str, ...] = ()
+    """with prompt: pictures (paths or data URLs, comma-separated) shown with the message, for a vision model"""
     json: bool = False
     """with prompt: print the whole trajectory and history as JSON instead of the answer"""
     system: str = ""
@@ -128,9 +136,14 @@ class ChatSession:
         self.history = []
 
     async def send(
-        self, text: str, on_token: Callable[[int], None] | None = None, on_step: StepCallback | None = None
+        self,
+        text: str,
+        on_token: Callable[[int], None] | None = None,
+        on_step: StepCallback | None = None,
+        images: tuple[Any, ...] = (),
     ) -> Trajectory:
-        """Run the agent on the history + `text` until it answers; the history then holds the new turns."""
+        """Run the agent on the history + `text` (after `images`, for a vision model) until it answers;
+        the history then holds the new turns."""
         envs: list[ToolEnv] = []
 
         def make_env() -> _WatchedEnv:
@@ -139,7 +152,10 @@ class ChatSession:
 
         engine = _StreamingEngine(self.engine, on_token) if on_token else self.engine
         loop = AgentEnvLoop(engine, make_env, self.sampling, seed=self.seed)
-        (traj,) = await loop.run([{"messages": [*self.history, {"role": "user", "content": text}]}])
+        content: Any = text
+        if images:
+            content = [*({"type": "image", "image": i} for i in images), {"type": "text", "text": text}]
+        (traj,) = await loop.run([{"messages": [*self.history, {"role": "user", "content": content}]}])
         if envs and hasattr(envs[0], "messages"):
             self.history = envs[0].messages[len(envs[0].prompt_prefix) :]
         return traj
@@ -220,16 +236,17 @@ def _chat_task(cfg: ChatConfig) -> TaskSpec | None:
 def run_chat(cfg: ChatConfig, console: Console | None = None) -> None:
     console = console or Console(highlight=False)
     model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
-    chat = resolve_chat(cfg.prompt_format, tokenizer, cfg.model)
-    prompt = session_prompt(cfg, tokenizer, chat)
+    processor = load_processor(cfg.model) or tokenizer  # a vision-language model reads images through it
+    chat = resolve_chat(cfg.prompt_format, processor, cfg.model)
+    prompt = session_prompt(cfg, processor, chat)
     engine = LocalEngine(model, tokenizer, seed=cfg.seed)
     session = ChatSession(
-        engine, prompt_format_for(tokenizer, chat=chat), prompt.tools, cfg.sampling,
+        engine, prompt_format_for(processor, chat=chat), prompt.tools, cfg.sampling,
         instructions=prompt.instructions, examples=prompt.examples, max_tool_tokens=prompt.max_tool_tokens,
         max_turns=cfg.max_turns, seed=cfg.seed,
     )  # fmt: skip
     if cfg.prompt is not None:
-        traj = asyncio.run(session.send(cfg.prompt))
+        traj = asyncio.run(session.send(cfg.prompt, images=cfg.images))
         if cfg.json:
             print(json.dumps({"history": session.history, "trajectory": dataclasses.asdict(traj)}, default=str))
         else:
@@ -249,6 +266,7 @@ class _Terminal:
         self.eos_ids = getattr(engine, "eos_ids", ())
         self.tokenizer = engine.tokenizer  # type: ignore[attr-defined]
         self.text = self._new_stream()
+        self.images: list[str] = []  # attached with /image, shown with the next message
 
     def run(self) -> None:
         tools = ", ".join(self.session.tools) or "none"
@@ -275,6 +293,15 @@ class _Terminal:
         if line == "/reset":
             self.session.reset()
             self.console.print("[dim]conversation cleared[/]")
+        elif line.startswith("/image "):
+            path = line.removeprefix("/image ").strip()
+            try:
+                read_image(path)
+            except ValueError as exc:
+                self.console.print(f"[red]{exc}[/]")
+            else:
+                self.images.append(path)
+                self.console.print(f"[dim]{path} will be shown with your next message[/]")
         elif line == "/tools":
             table = Table("tool", "description", "arguments")
             for t in self.session.tools.values():
@@ -288,7 +315,8 @@ class _Terminal:
         self.console.print("[bold magenta]agent ›[/] ", end="")
         self.text = self._new_stream()
         try:
-            traj = runner.run(self.session.send(line, self._on_token, self._on_step))
+            images, self.images = tuple(self.images), []
+            traj = runner.run(self.session.send(line, self._on_token, self._on_step, images))
         except KeyboardInterrupt:  # Ctrl-C stops this answer (the engine drops the row), not the session
             self.console.print("\n[yellow]interrupted[/]")
             return

@@ -78,6 +78,28 @@ def test_history_is_kept_between_messages(tool_model_dir, tokenizer):
     assert session.history == []
 
 
+def test_a_picture_goes_with_the_message_and_stays_in_the_history(tiny_llava, tmp_path):
+    import asyncio
+
+    from PIL import Image
+
+    from agent_r1.chat import ChatSession
+    from agent_r1.env.prompt_format import prompt_format_for
+    from agent_r1.rollout.engine import SamplingParams
+    from agent_r1.rollout.local_engine import LocalEngine
+    from tests.conftest import picture
+
+    model, processor = tiny_llava
+    path = tmp_path / "p.png"
+    Image.fromarray(picture(3)).save(path)
+    fmt = prompt_format_for(processor)
+    session = ChatSession(LocalEngine(model, processor.tokenizer), fmt, {}, SamplingParams(4, 0.0), max_turns=1)
+    traj = asyncio.run(session.send("What is it?", images=(str(path),)))
+    assert [i.digest for i in traj.steps[0].images] == [fmt.encoder.encode(picture(3)).digest]
+    traj = asyncio.run(session.send("And now?"))
+    assert len(traj.steps[0].images) == 1 and session.history[0]["content"][0]["image"] == str(path)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

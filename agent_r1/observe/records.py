@@ -9,7 +9,9 @@ are written as `trajectories/step_000001.jsonl.gz` in the run directory (see doc
 
 from __future__ import annotations
 
+import base64
 import gzip
+import io
 import json
 import os
 import re
@@ -79,15 +81,17 @@ def _turns(traj: Trajectory, rows: list[dict[str, Any]], tokenizer: Any) -> list
     When the env rewrote the context (the prompt does not extend the previous one) the whole prompt is
     shown and `rewritten` is set."""
     step_adv = _step_advantages(rows)
-    turns, context = [], None
+    turns, context, shown = [], None, 0
     for s in traj.steps:
         appended = context is not None and extends(s.prompt_ids, context)
         new = s.prompt_ids[len(context) :] if appended else s.prompt_ids
+        new_images = s.images[shown:] if appended else s.images  # the pictures that entered with `new`
         info = {k: v for k, v in s.info.items() if k != "tool_results"}
         turns.append(
             {
                 "index": s.index,
                 "observation": tokenizer.decode(new),
+                "images": [thumbnail_url(i.picture) for i in new_images if i.picture is not None],
                 "rewritten": context is not None and not appended,
                 "response": s.text,
                 "finish_reason": s.finish_reason,
@@ -98,8 +102,17 @@ def _turns(traj: Trajectory, rows: list[dict[str, Any]], tokenizer: Any) -> list
                 "info": json.loads(json.dumps(info, default=str)),
             }
         )
-        context = s.prompt_ids + s.response_ids
+        context, shown = s.prompt_ids + s.response_ids, len(s.images)
     return turns
+
+
+def thumbnail_url(picture: Any, size: int = 256) -> str:
+    """A PNG data URL of the picture, at most `size` pixels a side (records stay small; viewers show it)."""
+    small = picture.copy()
+    small.thumbnail((size, size))
+    buf = io.BytesIO()
+    small.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def _step_advantages(rows: list[dict[str, Any]]) -> dict[int, float]:

@@ -48,6 +48,7 @@ from agent_r1.env.tool_calls import (
     parse_tool_calls,
     tools_system_prompt,
 )
+from agent_r1.models.vision import image_parts
 from agent_r1.rollout.engine import GenerateOutput, SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.text_stream import TextStream, visible_prefix
@@ -60,7 +61,7 @@ from agent_r1.serve.schema import (
     ToolSpec,
 )
 from agent_r1.tools import Tool
-from agent_r1.types import Message
+from agent_r1.types import Image, Message
 
 
 @dataclass
@@ -126,7 +127,7 @@ class _API:
         self._check_model(body.model)
         _check_unicode(body)
         tools = _tool_schemas(body.tools) if body.tools and body.tool_choice != "none" else []
-        prompt = await _off_loop(self.s.prompt_format.initial, _template_messages(body.messages, tools))
+        prompt, images = await _off_loop(self._chat_prompt, _template_messages(body.messages, tools))
         stops = body.stops + tuple(self.s.prompt_format.stop)
         max_tokens = self._budget(len(prompt), body.max_completion_tokens or body.max_tokens, "messages")
         params = SamplingParams(
@@ -135,8 +136,8 @@ class _API:
         )  # fmt: skip
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.s.name}
         if body.stream:
-            return _sse(self._chat_events(head, prompt, params, stops, bool(tools)))
-        (out,) = await self._generate(request, [prompt], params)
+            return _sse(self._chat_events(head, prompt, images, params, stops, bool(tools)))
+        (out,) = await self._generate(request, [prompt], params, images)
         content, calls, finish = _chat_result(out.text, stops, bool(tools), out.finish_reason)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
@@ -230,9 +231,22 @@ class _API:
         return rows
 
     # --- generation ----------------------------------------------------------------------------------
-    async def _generate(self, request: Request, prompts: list[list[int]], params: SamplingParams) -> list:
+    def _chat_prompt(self, messages: list[Message]) -> tuple[list[int], list[Image]]:
+        """The prompt's ids and its images (read and prepared here: a bad image is a 400 naming it)."""
+        fmt, n = self.s.prompt_format, sum(len(image_parts(m)) for m in messages)
+        if n and getattr(fmt, "encoder", None) is None:
+            raise APIError(400, f"the request has {n} image(s) but {self.s.name} reads text only", param="messages")
+        try:
+            return fmt.initial(messages), fmt.images(messages)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+
+    async def _generate(
+        self, request: Request, prompts: list[list[int]], params: SamplingParams, images: list[Image] = ()
+    ) -> list:
         """Whole responses, cancelled when the client disconnects or the deadline passes."""
-        work = asyncio.ensure_future(self.s.engine.generate(prompts, params))
+        extra = {"images": [list(images)]} if images else {}  # one prompt with images (a chat request)
+        work = asyncio.ensure_future(self.s.engine.generate(prompts, params, **extra))
         gone = asyncio.ensure_future(_disconnected(request))
         self.generating += 1
         try:
@@ -248,11 +262,14 @@ class _API:
         raise _timeout(self.s.request_timeout)
 
     @contextlib.asynccontextmanager
-    async def _tokens(self, prompts: list[list[int]], params: SamplingParams) -> AsyncIterator[Any]:
+    async def _tokens(
+        self, prompts: list[list[int]], params: SamplingParams, images: list[Image] = ()
+    ) -> AsyncIterator[Any]:
         """(next event, outputs): `await next_event()` gives (row, token, logprob) tuples, then None at
         the end or TimeoutError past the deadline; leaving the block cancels whatever still runs."""
         queue: asyncio.Queue = asyncio.Queue()
-        work = asyncio.ensure_future(self.s.engine.generate(prompts, params, lambda *ev: queue.put_nowait(ev)))
+        extra = {"images": [list(images)]} if images else {}
+        work = asyncio.ensure_future(self.s.engine.generate(prompts, params, lambda *ev: queue.put_nowait(ev), **extra))
         work.add_done_callback(lambda _: queue.put_nowait(None))  # after every token (same loop, FIFO)
         deadline = asyncio.get_running_loop().time() + self.s.request_timeout
 
@@ -270,15 +287,16 @@ class _API:
             self.generating -= 1
 
     async def _chat_events(
-        self, head: dict, prompt: list[int], params: SamplingParams, stops: tuple[str, ...], tools: bool
-    ) -> AsyncIterator[dict]:
+        self, head: dict, prompt: list[int], images: list[Image], params: SamplingParams, stops: tuple[str, ...],
+        tools: bool,
+    ) -> AsyncIterator[dict]:  # fmt: skip
         def chunk(delta: dict, finish: str | None = None) -> dict:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             return head | {"object": "chat.completion.chunk", "choices": [choice]}
 
         yield chunk({"role": "assistant", "content": ""})
         text = TextStream(self.s.tokenizer, self.eos_ids, ((CALL_OPEN,) if tools else ()) + stops)
-        async with self._tokens([prompt], params) as (next_event, outputs):
+        async with self._tokens([prompt], params, images) as (next_event, outputs):
             while (event := await next_event()) is not None:
                 if delta := text.push(event[1]):
                     yield chunk({"content": delta})
@@ -337,13 +355,15 @@ def _template_messages(messages: list[ChatMessage], tools: list[dict]) -> list[M
     out: list[Message] = []
     system: list[str] = []
     results: list[str] = []
+    shown: list[list[str]] = []  # per tool result, its images
     for i, m in enumerate(messages):
         if results and m.role != "tool":
-            out.append({"role": "user", "content": format_tool_responses(results)})
-            results = []
-        text = _text(m, i)
+            out.append({"role": "user", "content": format_tool_responses(results, shown)})
+            results, shown = [], []
+        text = _text(m, i, images=m.role in ("user", "tool"))
         if m.role == "tool":
             results.append(text)
+            shown.append(_images(m))
         elif m.role in ("system", "developer") and tools:
             system.append(text)  # becomes the instructions of the tools system prompt
         elif m.role in ("system", "developer"):
@@ -352,20 +372,34 @@ def _template_messages(messages: list[ChatMessage], tools: list[dict]) -> list[M
             calls = [format_tool_call(c.function.name, _arguments(c.function.arguments, i)) for c in m.tool_calls or []]
             out.append({"role": "assistant", "content": "\n".join(([text] if text else []) + calls)})
         else:
-            out.append({"role": "user", "content": text})
+            images = [{"type": "image", "image": url} for url in _images(m)]
+            out.append({"role": "user", "content": [*images, {"type": "text", "text": text}] if images else text})
     if results:
-        out.append({"role": "user", "content": format_tool_responses(results)})
+        out.append({"role": "user", "content": format_tool_responses(results, shown)})
     if tools:
         out.insert(0, {"role": "system", "content": tools_system_prompt(tools, "\n\n".join(system))})
     return out
 
 
-def _text(m: ChatMessage, i: int) -> str:
+def _text(m: ChatMessage, i: int, images: bool = False) -> str:
+    """The text of a message; `images`: its image_url parts are allowed (user and tool messages), and
+    each must be a data URL (a server that fetched URLs would reach wherever a client points it)."""
     if m.content is None or isinstance(m.content, str):
         return m.content or ""
-    if any(part.get("type") != "text" for part in m.content):
-        raise APIError(400, "only text content parts are supported", param=f"messages[{i}].content")
-    return "".join(str(part.get("text", "")) for part in m.content)
+    allowed = ("text", "image_url") if images else ("text",)
+    if any(part.get("type") not in allowed for part in m.content):
+        what = "text and image_url" if images else "text"
+        raise APIError(400, f"only {what} content parts are supported here", param=f"messages[{i}].content")
+    if any(not str(url).startswith("data:") for url in _images(m)):
+        raise APIError(400, "an image_url must be a data: URL (base64)", param=f"messages[{i}].content")
+    return "".join(str(part.get("text", "")) for part in m.content if part.get("type") == "text")
+
+
+def _images(m: ChatMessage) -> list[str]:
+    """The image URLs of a message's image_url parts, in order (images go before its text)."""
+    if not isinstance(m.content, list):
+        return []
+    return [str(url.get("url") if isinstance(url, dict) else url) for p in m.content if (url := p.get("image_url"))]
 
 
 def _arguments(arguments: str, i: int) -> Any:

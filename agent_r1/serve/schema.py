@@ -59,7 +59,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None  # a string, or OpenAI content parts (text only)
+    content: str | list[dict[str, Any]] | None = None  # a string, or OpenAI content parts (text, image_url)
     tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None
 

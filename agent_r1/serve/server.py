@@ -10,7 +10,7 @@ from typing import Literal
 import uvicorn
 
 from agent_r1.env.prompt_format import prompt_format_for
-from agent_r1.models.loading import DEFAULT_MODEL, is_chat_model, load_model
+from agent_r1.models.loading import DEFAULT_MODEL, is_chat_model, load_model, load_processor
 from agent_r1.models.precision import Device, Precision
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.serve.app import ServedModel, create_app
@@ -73,13 +73,14 @@ class ServeConfig:
 def run_serve(cfg: ServeConfig) -> None:
     """Load the model, bind the socket (so port=0 can print its real port), serve until Ctrl-C."""
     model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
-    chat = is_chat_model(cfg.model, tokenizer) if cfg.prompt_format == "auto" else cfg.prompt_format == "chat"
+    processor = load_processor(cfg.model) or tokenizer  # a vision-language model reads image_url parts through it
+    chat = is_chat_model(cfg.model, processor) if cfg.prompt_format == "auto" else cfg.prompt_format == "chat"
     engine = LocalEngine(
         model, tokenizer, max_batch_size=cfg.max_batch_size, max_context=cfg.max_context, seed=cfg.seed,
         batch_wait_s=cfg.batch_wait_ms / 1000, kv_cache_gb=cfg.kv_cache_gb,
     )  # fmt: skip
     served = ServedModel(
-        engine, tokenizer, prompt_format_for(tokenizer, chat=chat), cfg.served_name,
+        engine, tokenizer, prompt_format_for(processor, chat=chat), cfg.served_name,
         request_timeout=cfg.request_timeout, default_max_tokens=cfg.max_tokens,
         allow_weight_updates=cfg.allow_weight_updates, max_request_bytes=int(cfg.max_request_mb * 2**20),
     )  # fmt: skip

@@ -4,13 +4,17 @@ import gzip
 
 import pytest
 import torch
+from PIL import Image as PILImage
 
+from agent_r1.models.vision import read_image
 from agent_r1.observe.records import read_records, step_files, step_path, trajectory_records, write_records
-from agent_r1.types import Step, Termination, Trajectory
+from agent_r1.types import Image, Step, Termination, Trajectory
+from tests.conftest import picture
 
 
-def two_turn_trajectory(tokenizer, rewrite: bool = False) -> Trajectory:
-    """Question -> tool call -> tool result -> answer; with `rewrite` the env rebuilt the second prompt."""
+def two_turn_trajectory(tokenizer, rewrite: bool = False, images: bool = False) -> Trajectory:
+    """Question -> tool call -> tool result -> answer; with `rewrite` the env rebuilt the second prompt;
+    with `images` a picture comes with the question and another with the tool result."""
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     p1, r1, obs, r2 = enc("What is 12*7?"), enc(" call calc"), enc(" result: 84"), enc(" answer 84")
     p2 = (enc("Summary: 12*7") if rewrite else p1 + r1) + obs
@@ -19,6 +23,9 @@ def two_turn_trajectory(tokenizer, rewrite: bool = False) -> Trajectory:
         Step(p1, r1, [-0.5] * len(r1), None, {"tool_calls": 1, "tool_results": [result]}, " call calc", 0, "stop"),
         Step(p2, r2, [-0.25] * len(r2), 1.0, {"tool_calls": 0}, " answer 84", 1, "eos"),
     ]
+    if images:
+        a, b = (Image(str(s), {}, 0, [], PILImage.fromarray(picture(s, (40, 300)))) for s in (1, 2))
+        steps[0].images, steps[1].images = [a], [a, b]
     return Trajectory({"question": "What is 12*7?", "answer": "84"}, "g1-0", "g1", steps, Termination.ANSWERED)
 
 
@@ -31,6 +38,16 @@ def test_turns_show_only_what_entered_the_context(tokenizer):
     assert t1["observation"] == " result: 84"  # only the tool result is new in the second prompt
     assert not t1["rewritten"] and t1["finish_reason"] == "eos" and t1["reward"] == 1.0
     assert t0["tool_results"][0]["output"] == "84" and "tool_results" not in t0["info"]
+
+
+def test_each_turn_shows_the_pictures_that_entered_with_it(tokenizer):
+    (rec,) = trajectory_records([two_turn_trajectory(tokenizer, images=True)], tokenizer)
+    first, second = ([read_image(u) for u in t["images"]] for t in rec["turns"])
+    assert len(first) == len(second) == 1  # the question's picture is not shown again with the tool result
+    assert first[0].size == (256, 34)  # a thumbnail of the 300x40 picture, aspect kept
+    assert first[0].tobytes() != second[0].tobytes()
+    (plain,) = trajectory_records([two_turn_trajectory(tokenizer)], tokenizer)
+    assert [t["images"] for t in plain["turns"]] == [[], []]
 
 
 def test_rows_are_token_exact_with_advantages(tokenizer):

@@ -17,7 +17,7 @@ from tests.observe.test_records import two_turn_trajectory
 @pytest.fixture
 def run_dir(tmp_path, tokenizer):
     """Two steps; step 2 has one group of 3 samples (rewards 1, 0, 0.5; one ran out of turns) and one of 1."""
-    base = two_turn_trajectory(tokenizer)
+    base = two_turn_trajectory(tokenizer, images=True)
     for step in (1, 2):
         trajs = []
         for i, (group, reward, end) in enumerate(
@@ -97,6 +97,8 @@ def test_page_in_headless_chromium(served, tmp_path):
         assert "ga-0" in pane.locator("h2").first.inner_text()
         assert pane.locator(".turn").count() == 2 and "result: 84" in pane.locator(".turn").nth(1).inner_text()
         assert "calculator" in pane.locator(".tool").first.inner_text()
+        assert pane.locator(".turn").nth(1).locator("img.picture").count() == 1  # the tool result's picture
+        assert pane.locator("img.picture").first.evaluate("e => e.naturalWidth") == 256
         style = "e => [getComputedStyle(e).backgroundColor, getComputedStyle(e).color]"
         trained = pane.locator(".tok.train").first.evaluate(style)
         masked = pane.locator(".tok.ctx").first.evaluate(style)

@@ -356,3 +356,98 @@ async def test_load_weights_is_refused_unless_the_server_allows_it(client, token
         "/v1/load_weights", json={"path": weights_file(tmp_path / "w.safetensors", tiny(tokenizer, 4))}
     )
     assert r.status_code == 403 and "allow_weight_updates=true" in r.json()["error"]["message"]
+
+
+def data_url(array) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+async def test_a_vision_model_answers_image_url_parts_as_the_agent_loop_would(tiny_llava):
+    """An OpenAI image_url part (a data URL) reaches the vision tower: the answer is the one the engine
+    gives for the same prompt ids and image, and a different picture changes it."""
+    from agent_r1.env.prompt_format import prompt_format_for
+    from tests.conftest import picture
+
+    model, processor = tiny_llava
+    fmt = prompt_format_for(processor)
+    served = ServedModel(LocalEngine(model, processor.tokenizer, seed=0), processor.tokenizer, fmt, NAME)
+    transport = httpx.ASGITransport(app=create_app(served))
+
+    def ask(seed):
+        content = [
+            {"type": "image_url", "image_url": {"url": data_url(picture(seed))}},
+            {"type": "text", "text": "What is it?"},
+        ]
+        return {
+            "model": NAME,
+            "messages": [{"role": "user", "content": content}],
+            "temperature": 0,
+            "max_tokens": 8,
+            "logprobs": True,
+            "return_token_ids": True,
+        }
+
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        a = await c.post("/v1/chat/completions", json=ask(1))
+        b = await c.post("/v1/chat/completions", json=ask(2))
+        bad = await c.post(
+            "/v1/chat/completions",
+            json=ask(1)
+            | {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}],
+                    }
+                ]
+            },
+        )
+        remote = await c.post(
+            "/v1/chat/completions",
+            json=ask(1)
+            | {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "http://example.com/x.png"}}],
+                    }
+                ]
+            },
+        )
+    assert a.status_code == b.status_code == 200
+    messages = [
+        {"role": "user", "content": [{"type": "image", "image": picture(1)}, {"type": "text", "text": "What is it?"}]}
+    ]
+    ids = a.json()["prompt_token_ids"]
+    assert ids == fmt.initial(messages)
+    engine = LocalEngine(model, processor.tokenizer, seed=0)
+    (want,) = engine.generate_batch(
+        [ids], SamplingParams(max_new_tokens=8, temperature=0.0), [0], images=[fmt.images(messages)]
+    )
+    assert a.json()["choices"][0]["token_ids"] == want.token_ids
+    assert [t["logprob"] for t in a.json()["choices"][0]["logprobs"]["content"]] == pytest.approx(
+        want.logprobs, abs=1e-4
+    )
+    assert a.json()["choices"][0]["logprobs"] != b.json()["choices"][0]["logprobs"]
+    assert bad.status_code == 400 and "cannot read image" in bad.json()["error"]["message"]
+    assert remote.status_code == 400 and "data: URL" in remote.json()["error"]["message"]
+
+
+async def test_a_text_only_model_refuses_images_in_one_line(client):
+    from tests.conftest import picture
+
+    content = [{"type": "image_url", "image_url": {"url": data_url(picture(0))}}, {"type": "text", "text": "hi"}]
+    r = await client.post(
+        "/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": content}]}
+    )
+    assert (
+        r.status_code == 400
+        and r.json()["error"]["message"] == f"the request has 1 image(s) but {NAME} reads text only"
+    )
