@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import pytest
@@ -174,18 +175,17 @@ def picture(seed: int, size: tuple[int, int] = (20, 24)):
 QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen2vl_dir(tokenizer, tmp_path_factory):
-    """A tiny random Qwen2-VL (mrope, a 1-block vision tower, 2x2 patch merging) with its processor
-    (images only: there is no torchvision here), saved as a Hugging Face directory; loaded back with
-    `load_model` / `load_processor` as a real Qwen2-VL would be. 56x56 pictures are 4 placeholders."""
+def save_tiny_qwen_vl(tokenizer, out, family: str = "qwen2_vl"):
+    """A tiny random Qwen2-VL or Qwen2.5-VL (mrope, a 1-block vision tower, 2x2 patch merging) with its
+    processor (images only: there is no torchvision here), saved as a Hugging Face directory in `out`, to
+    be loaded back with `load_model` / `load_processor` as a real one would be."""
     import copy
 
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+    import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from agent_r1.models.llava import chatml_parts_template
-    from agent_r1.models.loading import image_only_qwen_vl_processor
+    from agent_r1.models.loading import QWEN_VL, image_only_qwen_vl_processor
 
     tok = copy.deepcopy(tokenizer)
     tok.add_special_tokens({"extra_special_tokens": list(QWEN_VL_TOKENS)}, replace_extra_special_tokens=False)
@@ -196,27 +196,78 @@ def tiny_qwen2vl_dir(tokenizer, tmp_path_factory):
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]},
     )  # fmt: skip
-    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2)
-    config = Qwen2VLConfig(
+    if family == "qwen2_vl":
+        config_cls, model_cls = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+        vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2)
+    else:
+        config_cls, model_cls = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+        vision = dict(
+            depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_heads=2, patch_size=14,
+            spatial_merge_size=2, window_size=56, fullatt_block_indexes=[1],
+        )  # fmt: skip
+    config = config_cls(
         text_config=text, vision_config=vision, image_token_id=image, video_token_id=video,
         vision_start_token_id=start, vision_end_token_id=end,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = Qwen2VLForConditionalGeneration(config).eval()
-    processor = image_only_qwen_vl_processor(Qwen2VLProcessor)(
+    model_cls(config).eval().save_pretrained(out)
+    processor = image_only_qwen_vl_processor(getattr(transformers, QWEN_VL[family]))(
         Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56),
         tok,
         chat_template=chatml_parts_template("<|vision_start|><|image_pad|><|vision_end|>"),
     )
-    out = tmp_path_factory.mktemp("tiny_qwen2vl")
-    model.save_pretrained(out)
     processor.save_pretrained(out)
     return out
 
 
+def save_tiny_smolvlm(tokenizer, out):
+    """A tiny random SmolVLM (SigLIP-like tower, pixel-shuffle connector, Llama text model) with an
+    Idefics3 processor (SmolVLM's own needs torchvision and num2words, which this install lacks; the two
+    expand an image alike without image splitting): 32x32 pictures, 4 placeholders each."""
+    import copy
+
+    import transformers
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    from agent_r1.models.llava import chatml_parts_template
+
+    tok = copy.deepcopy(tokenizer)
+    extra = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
+    tok.add_special_tokens({"extra_special_tokens": extra}, replace_extra_special_tokens=False)
+    text = dict(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8
+    )
+    config = transformers.SmolVLMConfig(
+        text_config=text, vision_config=vision, image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=2
+    )
+    torch.manual_seed(0)
+    transformers.SmolVLMForConditionalGeneration(config).eval().save_pretrained(out)
+    images = Idefics3ImageProcessorPil(
+        do_image_splitting=False, size={"longest_edge": 32}, max_image_size={"longest_edge": 32}
+    )
+    transformers.Idefics3Processor(
+        images, tok, image_seq_len=4, chat_template=chatml_parts_template("<image>")
+    ).save_pretrained(out)
+    return out
+
+
 @pytest.fixture(scope="session")
-def tiny_qwen2vl(tiny_qwen2vl_dir):
+def tiny_vlm(tokenizer, tmp_path_factory):
+    """family -> a tiny Qwen2-VL, Qwen2.5-VL or SmolVLM and its processor, loaded from its directory (once)."""
     from agent_r1.models.loading import load_model, load_processor
 
-    model, _ = load_model(str(tiny_qwen2vl_dir))
-    return model, load_processor(str(tiny_qwen2vl_dir))
+    @functools.cache
+    def load(family: str):
+        out = tmp_path_factory.mktemp(family)
+        if family == "smolvlm":
+            save_tiny_smolvlm(tokenizer, out)
+        else:
+            save_tiny_qwen_vl(tokenizer, out, family)
+        return load_model(str(out))[0], load_processor(str(out))
+
+    return load

@@ -78,10 +78,13 @@ def reference(model, ids, images):
     return torch.log_softmax(logits, -1).gather(-1, t[0, 1:, None]).squeeze(-1)
 
 
-@pytest.fixture(params=["tiny_llava", "tiny_qwen2vl"])
+@pytest.fixture(params=["llava", "qwen2_vl", "qwen2_5_vl", "smolvlm"])
 def vlm(request):
-    """A LLaVA (1D positions) and a Qwen2-VL (mrope positions from get_rope_index), each with its processor."""
-    return request.getfixturevalue(request.param)
+    """LLaVA and SmolVLM (1D positions; SmolVLM's image is markers around its placeholders), Qwen2-VL and
+    Qwen2.5-VL (mrope positions from get_rope_index), each with its processor."""
+    if request.param == "llava":
+        return request.getfixturevalue("tiny_llava")
+    return request.getfixturevalue("tiny_vlm")(request.param)
 
 
 def test_image_trajectories_are_token_exact_in_rollout_and_training(vlm, monkeypatch):
