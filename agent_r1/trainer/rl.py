@@ -108,10 +108,11 @@ def train(
 
     # --- model, reference, critic, optimizer, engine ----------------------------------------------
     chat_hint = cfg.model if model is None else None  # the prompt format of the model actually trained
-    processor = tokenizer  # a vision-language model's processor, else the tokenizer: what formats take
     if model is None:
         model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, training=True)
-        processor = load_processor(cfg.model) or tokenizer
+        tokenizer = load_processor(cfg.model) or tokenizer
+    # a vision-language model's processor (what formats and exports take), and its tokenizer
+    processor, tokenizer = tokenizer, getattr(tokenizer, "tokenizer", tokenizer)
     place_model(model, cfg.device, cfg.dtype)  # a model passed in too: its device, precision and kernels
     policy = with_lora(model, cfg.lora) if cfg.lora.enabled else model
     if cfg.optim.gradient_checkpointing:  # recompute activations in backward: less memory, ~1/3 more compute

@@ -115,10 +115,11 @@ def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any 
     write_text_atomic(run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
     torch.manual_seed(cfg.seed)
     chat_hint = cfg.model if model is None else None
-    processor = tokenizer  # a vision-language model's processor, else the tokenizer: what formats take
     if model is None:
         model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, training=True)
-        processor = load_processor(cfg.model) or tokenizer
+        tokenizer = load_processor(cfg.model) or tokenizer
+    # a vision-language model's processor (what formats and exports take), and its tokenizer
+    processor, tokenizer = tokenizer, getattr(tokenizer, "tokenizer", tokenizer)
     place_model(model, cfg.device, cfg.dtype)  # a model passed in too: its device, precision and kernels
     policy = with_lora(model, cfg.lora) if cfg.lora.enabled else model
     chat = resolve_chat(cfg.prompt_format, processor, chat_hint)

@@ -64,3 +64,39 @@ def test_calculator_demo_matches_the_task():
     assert demo[1]["content"] == call(task["solution"])
     assert demo[2]["content"] == f"<tool_response>\n{task['answer']}\n</tool_response>"
     assert demo[3]["content"] == f"<answer>{task['answer']}</answer>"
+
+
+def test_sft_on_pictures_trains_the_vision_tower_and_exports_the_processor(tiny_llava, tmp_path):
+    """A demonstration that zooms holds two pictures (the overview and the tool's); SFT's gradient
+    reaches the vision tower, at its own learning rate, and the exported policy loads back as a VLM."""
+    import copy
+
+    from agent_r1.env.prompt_format import prompt_format_for
+    from agent_r1.models.loading import load_model, load_processor
+    from agent_r1.task import TaskSpec
+    from agent_r1.tasks import digits
+    from agent_r1.trainer.sft import SFTConfig, sft
+
+    model, processor = tiny_llava
+    model = copy.deepcopy(model)
+    fmt = prompt_format_for(processor)
+    env = digits.make_env(digits.Options(), fmt)
+    task = digits.tasks(digits.Options(), "train", 1)[0]
+    seq = demo_to_sequence(digits.demo(task, zoom=True), env.prompt_prefix, fmt, processor.tokenizer)
+    assert len(seq.images) == 2 and seq.input_ids.count(fmt.encoder.image_token_id) == 8
+    assert sum(seq.loss_mask) > 0 and all(
+        m == 0 for i, m in zip(seq.input_ids, seq.loss_mask, strict=True) if i == fmt.encoder.image_token_id
+    )
+
+    tower = {n: p.detach().clone() for n, p in model.named_parameters() if "vision_tower" in n}
+    text = model.get_input_embeddings().weight.detach().clone()
+    spec = TaskSpec.from_raw({"name": "digits", "zoom_share": 1.0}, "task", TaskSpec("digits"))
+    cfg = SFTConfig(
+        task=spec, num_examples=4, epochs=1, batch_size=4, lr=1e-6, vision_lr=1e-2, run_dir=str(tmp_path), device="cpu"
+    )
+    sft(cfg, model=model, tokenizer=processor)
+    moved = max((p - tower[n]).abs().max().item() for n, p in model.named_parameters() if "vision_tower" in n)
+    assert moved > 1e-3 > (model.get_input_embeddings().weight - text).abs().max().item()  # 1e-2 vs 1e-6
+    policy, _ = load_model(str(tmp_path / "policy"))
+    assert type(policy).__name__ == "LlavaForConditionalGeneration"
+    assert type(load_processor(str(tmp_path / "policy"))).__name__ == "LlavaProcessor"
