@@ -62,7 +62,14 @@ BUNDLED: dict[str, BundledModel] = {
 # vision-language models built here from a bundled language model (agent_r1/models/llava.py): a random
 # SigLIP tower and projector that learn in the cold start (the vision demo, recipes/vision.yaml)
 BUILT_VLMS: dict[str, dict] = {
-    "smollm2-135m-llava": {"base": "smollm2-135m-instruct", "image_size": 16, "patch_size": 8, "vision_hidden": 128},
+    # the tower then aligned to the digit tokens on the train split of load_digits (llava.align_to_digits)
+    "smollm2-135m-llava": {
+        "base": "smollm2-135m-instruct",
+        "image_size": 16,
+        "patch_size": 8,
+        "vision_hidden": 128,
+        "align": "digits",
+    },
 }
 EXPORT_INFO = "agent_r1.json"  # written with every exported policy: how the model is prompted, on which task
 DEFAULT_MODEL = "smollm2-135m-instruct"  # why: see docs/models.md (speed on CPU and a chat template)
@@ -106,16 +113,18 @@ def convert_bundled(name: str) -> Path:
 def build_vlm(name: str) -> Path:
     """Build a BUILT_VLMS model once from its bundled language model (seeded, so every machine builds
     the same one) into a Hugging Face directory with its processor; return its path."""
-    from agent_r1.models.llava import build_llava
+    from agent_r1.models.llava import align_to_digits, build_llava
 
     out = cache_dir() / "models" / name
     if (out / "config.json").is_file():
         return out
     spec = dict(BUILT_VLMS[name])
-    base = convert_bundled(spec.pop("base"))
+    base, align = convert_bundled(spec.pop("base")), spec.pop("align", None)
     model, processor = build_llava(
         AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), AutoTokenizer.from_pretrained(base), **spec
     )
+    if align == "digits":
+        align_to_digits(model, processor)
     _save_atomic(out, lambda tmp: (model.save_pretrained(tmp), processor.save_pretrained(tmp)))
     return out
 

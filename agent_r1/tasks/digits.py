@@ -20,16 +20,13 @@ that training never saw. Tasks are JSON: the pictures travel as PNG data URLs.
 
 from __future__ import annotations
 
-import base64
 import functools
-import io
 import random
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from agent_r1.data.splits import Split, split_of
+from agent_r1.data.digits import draw, overview, picture, png_url
+from agent_r1.data.splits import Split
 from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.env.tool_calls import extract_answer, format_tool_call, format_tool_responses
 from agent_r1.env.tool_env import ToolEnv
@@ -59,27 +56,12 @@ QUESTION = "What is the product of the two numbers in the picture?"
 ZOOMED = "The picture at full resolution:"
 
 
-@functools.cache
-def _digits() -> tuple[np.ndarray, np.ndarray, dict[str, list[list[int]]]]:
-    """scikit-learn's digits: images [1797, 8, 8] in 0..16, labels [1797], and per split the image
-    indices of each digit 0-9."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    pools: dict[str, list[list[int]]] = {s: [[] for _ in range(10)] for s in ("train", "val", "test")}
-    for i, label in enumerate(data.target):
-        pools[split_of(f"digits/{i}")][int(label)].append(i)
-    return data.images, data.target, pools
-
-
 def make_task(rng: random.Random, split: Split) -> dict[str, Any]:
     """Two numbers 10-99 written with digit images of `split`: the task (question, answer, the digit
-    image indices, the full picture and its overview as data URLs)."""
-    images, _, pools = _digits()
+    image indices, the full picture as a data URL, and the message that shows its overview)."""
     a, b = rng.randint(10, 99), rng.randint(10, 99)
-    digits = [int(c) for c in f"{a}{b}"]
-    index = [rng.choice(pools[split][d]) for d in digits]
-    full = picture(images[index])
+    index = draw(rng, [int(c) for c in f"{a}{b}"], split)
+    full = picture(index)
     shown = png_url(overview(full))
     return {
         "question": QUESTION,
@@ -91,26 +73,6 @@ def make_task(rng: random.Random, split: Split) -> dict[str, Any]:
             {"role": "user", "content": [{"type": "image", "image": shown}, {"type": "text", "text": QUESTION}]}
         ],
     }
-
-
-def picture(digits: np.ndarray) -> np.ndarray:
-    """Four 8x8 digit images [4, 8, 8] (0..16) as a 16x16 uint8 picture: two per row, dark on light."""
-    grid = np.block([[digits[0], digits[1]], [digits[2], digits[3]]])  # [16, 16]
-    return (255 - grid * (255 / 16)).round().astype(np.uint8)
-
-
-def overview(full: np.ndarray) -> np.ndarray:
-    """The picture with every 4x4 block replaced by its mean: each digit becomes 2x2 blocks."""
-    blocks = full.reshape(4, 4, 4, 4).astype(np.float64).mean(axis=(1, 3))  # [4, 4]
-    return np.kron(blocks, np.ones((4, 4))).round().astype(np.uint8)
-
-
-def png_url(gray: np.ndarray) -> str:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(gray, mode="L").save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def tasks(options: Options, split: Split, n: int, seed: int = 0) -> list[dict[str, Any]]:

@@ -4,6 +4,7 @@ the episode's own picture, and demonstrations laid out as rollouts."""
 import numpy as np
 import pytest
 
+from agent_r1.data.digits import digit_images, overview
 from agent_r1.data.splits import split_of
 from agent_r1.env.prompt_format import prompt_format_for
 from agent_r1.env.tool_calls import format_tool_call, parse_tool_calls
@@ -13,7 +14,7 @@ from agent_r1.types import Action
 
 
 def test_pictures_show_the_numbers_in_handwriting_of_their_own_split():
-    images, labels, _ = digits._digits()
+    images, labels, _ = digit_images()
     for split in ("train", "test"):
         for t in digits.tasks(digits.Options(), split, 20, seed=1):
             a, b = t["numbers"]
@@ -30,7 +31,7 @@ def test_pictures_show_the_numbers_in_handwriting_of_their_own_split():
 
 def test_the_overview_averages_each_4x4_block():
     full = np.arange(256, dtype=np.uint8).reshape(16, 16)
-    small = digits.overview(full)
+    small = overview(full)
     assert small[0, 0] == small[3, 3] == round(full[:4, :4].mean())
     assert small[12, 12] == round(full[12:, 12:].mean()) and len(np.unique(small)) == 16
 
