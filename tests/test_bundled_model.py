@@ -36,3 +36,27 @@ def test_bundled_model_on_eight_calculator_tasks():
         ref = recompute_logprobs(model, row.input_ids)
         mask = torch.tensor(row.loss_mask[1:], dtype=torch.bool)
         assert (ref[mask] - torch.tensor(row.logprobs[1:])[mask]).abs().max().item() <= 1e-4
+
+
+@pytest.mark.slow
+def test_the_vision_demo_model_is_token_exact_with_pictures_in_every_turn():
+    """The guard rail on the vision demo's real model (SmolLM2-135M + its SigLIP tower, built once): an
+    image in the first observation and another in each tool result; the rollout's log-probs equal the
+    model's own forward and the trainer's, within 1e-4 in fp32."""
+    from agent_r1.models.loading import load_processor
+    from agent_r1.models.vision import image_token_id
+    from agent_r1.trainer.batching import pack
+    from agent_r1.trainer.rows import build_rows
+    from tests.rollout.test_vision_rollout import reference, rollout, trainer_gap
+
+    model, _ = load_model("smollm2-135m-llava")
+    processor = load_processor("smollm2-135m-llava")
+    _, trajs = rollout(model, processor, [{"seed": 1}, {"seed": 2}])
+    assert all(len(t.steps) == 3 and len(t.steps[-1].images) == 3 for t in trajs), [t.error for t in trajs]
+    seqs = [merge_trajectories([t]) for t in trajs]
+    for (row,) in seqs:
+        mask = torch.tensor(row.loss_mask[1:], dtype=torch.bool)
+        ref = reference(model, row.input_ids, row.images)
+        assert (ref[mask] - torch.tensor(row.logprobs[1:])[mask]).abs().max().item() <= 1e-4
+    rows, _ = build_rows(trajs, seqs, image_token_id(model))
+    assert trainer_gap(model, pack(rows, 4096)) <= 1e-4
