@@ -34,6 +34,11 @@ every trajectory it answered has sent its next turn or ended (tool calls take mi
 step ~100 ms), and admits them in the order of their seeds. The batches are then a function of the
 seeds alone, as a resumed run needs. Requests outside a cohort (serving) are admitted as they come.
 
+A vision-language model's prompts come with their images (`generate(..., images=)`): a prefill embeds
+its chunk with the vision tower's features in the placeholders, prompts are compared as keys in which
+each placeholder stands for its image's digest (identical placeholders can be different pictures), and
+the Qwen2-VL family's positions come from its own `get_rope_index` (docs/vision.md).
+
 The decode loop runs in a worker thread, which lets the event loop run tool calls while the model
 decodes. Weights change only when no sequence is running: `load_weights` stops admitting new
 sequences, waits for the running ones to finish, then copies, so every response is sampled from one

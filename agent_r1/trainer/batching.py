@@ -19,6 +19,10 @@ run as one sequence in one call (`_prefix_once_forward`): a 4D attention mask le
 the prefix and itself, so the prefix is still computed once and the result is the same.
 
 Bins are filled first-fit-decreasing by the tokens they will actually compute.
+
+Rows with images (a vision-language model) are compared by their keys, the ids with each placeholder
+standing for its image's digest, and every forward starts from the same input embeddings with the vision
+tower's features in the placeholders, so the tower is trained too (docs/vision.md).
 """
 
 from __future__ import annotations

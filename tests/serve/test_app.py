@@ -380,11 +380,8 @@ async def test_a_vision_model_answers_image_url_parts_as_the_agent_loop_would(ti
     served = ServedModel(LocalEngine(model, processor.tokenizer, seed=0), processor.tokenizer, fmt, NAME)
     transport = httpx.ASGITransport(app=create_app(served))
 
-    def ask(seed):
-        content = [
-            {"type": "image_url", "image_url": {"url": data_url(picture(seed))}},
-            {"type": "text", "text": "What is it?"},
-        ]
+    def ask(url):
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]
         return {
             "model": NAME,
             "messages": [{"role": "user", "content": content}],
@@ -395,32 +392,10 @@ async def test_a_vision_model_answers_image_url_parts_as_the_agent_loop_would(ti
         }
 
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-        a = await c.post("/v1/chat/completions", json=ask(1))
-        b = await c.post("/v1/chat/completions", json=ask(2))
-        bad = await c.post(
-            "/v1/chat/completions",
-            json=ask(1)
-            | {
-                "messages": [
-                    {
-                        "role": "user",
-                        "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}],
-                    }
-                ]
-            },
-        )
-        remote = await c.post(
-            "/v1/chat/completions",
-            json=ask(1)
-            | {
-                "messages": [
-                    {
-                        "role": "user",
-                        "content": [{"type": "image_url", "image_url": {"url": "http://example.com/x.png"}}],
-                    }
-                ]
-            },
-        )
+        a, b, bad, remote = [
+            await c.post("/v1/chat/completions", json=ask(url))
+            for url in (data_url(picture(1)), data_url(picture(2)), "data:image/png;base64,AAAA", "http://x.org/p.png")
+        ]
     assert a.status_code == b.status_code == 200
     messages = [
         {"role": "user", "content": [{"type": "image", "image": picture(1)}, {"type": "text", "text": "What is it?"}]}
