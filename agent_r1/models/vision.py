@@ -37,7 +37,6 @@ def read_image(source: Any) -> Any:
     [0, 1]), a file path, a `data:image/...;base64,` URL or raw bytes. Anything unreadable is a one-line
     ValueError saying what it was."""
     from PIL import Image as PILImage
-    from PIL import UnidentifiedImageError
 
     try:
         if isinstance(source, PILImage.Image):
@@ -55,8 +54,8 @@ def read_image(source: Any) -> Any:
             raise ValueError(f"unsupported image type {type(source).__name__}")
         picture.load()  # decode now: a truncated file fails here, not inside the processor
         return picture.convert("RGB")
-    except (OSError, ValueError, TypeError, UnidentifiedImageError, IndexError, base64.binascii.Error) as exc:
-        what = f"{source[:40]!r}" if isinstance(source, str | Path) else type(source).__name__
+    except (OSError, ValueError, TypeError, IndexError) as exc:  # PIL's UnidentifiedImageError is an OSError
+        what = repr(str(source)[:40]) if isinstance(source, str | Path) else type(source).__name__
         raise ValueError(f"cannot read image {what}: {type(exc).__name__}: {exc}".splitlines()[0][:300]) from None
 
 
@@ -99,12 +98,11 @@ class ImageEncoder:
     GRPO group and every later turn of an episode show the same picture.
     """
 
-    def __init__(self, processor: Any, max_images: int = 8, cache: int = 512) -> None:
+    def __init__(self, processor: Any, cache: int = 512) -> None:
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.image_token: str = processor.image_token
         self.image_token_id: int = self.tokenizer.convert_tokens_to_ids(self.image_token)
-        self.max_images = max_images  # per context: more is an error observation, not a crash
         self._cache: collections.OrderedDict[str, Image] = collections.OrderedDict()
         self._size = cache
 
@@ -158,6 +156,7 @@ def placeholder_keys(ids: Sequence[int], images: Sequence[Image], token_id: int 
 
 
 def count_placeholders(ids: Sequence[int] | torch.Tensor, token_id: int | None) -> int:
+    """How many image placeholders `ids` hold (0 for a text-only model)."""
     if token_id is None:
         return 0
     if isinstance(ids, torch.Tensor):

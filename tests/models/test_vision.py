@@ -1,6 +1,7 @@
 """Images: read with one-line errors, prepared once per picture, expanded once in the prompt."""
 
 import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,6 +47,7 @@ def test_read_image_takes_arrays_paths_bytes_and_data_urls(tmp_path):
     [
         (b"not a png", "cannot read image bytes: UnidentifiedImageError"),
         ("missing.png", "cannot read image 'missing.png': FileNotFoundError"),
+        (Path("no/such.png"), "cannot read image 'no/such.png': FileNotFoundError"),
         ("data:image/png;base64,@@@", "cannot read image 'data:image/png;base64,@@@'"),
         (12, "unsupported image type int"),
     ],
