@@ -76,3 +76,27 @@ def test_bad_files(tmp_path):
 def test_describe_lists_fields_with_docs():
     text = describe(Cfg)
     assert "  steps = 10  # how many steps" in text and "  optim.lr = 1e-05  # learning rate" in text
+
+
+@pytest.mark.parametrize(
+    ("recipe", "config"),
+    [
+        ("demo.yaml", "pipeline"),
+        ("hotpotqa.yaml", "pipeline"),
+        ("vision.yaml", "pipeline"),
+        ("calculator.yaml", "eval"),
+        ("gsm8k-gpu.yaml", "train"),
+    ],
+)
+def test_every_recipe_loads_with_its_entry_points_config(recipe, config):
+    """A recipe with an unknown key, a bad value or a task option its task lacks fails here, not after
+    minutes of a run (only what does not touch a model or data is built)."""
+    from pathlib import Path
+
+    from agent_r1.evaluate import EvalConfig
+    from agent_r1.pipeline import DemoConfig
+    from agent_r1.trainer.config import TrainConfig
+
+    cls = {"pipeline": DemoConfig, "eval": EvalConfig, "train": TrainConfig}[config]
+    path = Path(__file__).resolve().parents[1] / "recipes" / recipe
+    assert load_config(cls, str(path)) is not None
