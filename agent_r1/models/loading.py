@@ -59,10 +59,10 @@ BUNDLED: dict[str, BundledModel] = {
         chat=False,
     ),
 }
-# vision-language models built here from a bundled language model (agent_r1/models/llava.py): a random
-# SigLIP tower and projector that learn in the cold start (the vision demo, recipes/vision.yaml)
+# vision-language models built here, once, from a bundled language model (agent_r1/models/llava.py): a
+# SigLIP tower and projector, seeded, then aligned to the digit tokens on the train split of load_digits
+# (llava.align_to_digits) and fine-tuned in the cold start (the vision demo, recipes/vision.yaml)
 BUILT_VLMS: dict[str, dict] = {
-    # the tower then aligned to the digit tokens on the train split of load_digits (llava.align_to_digits)
     "smollm2-135m-llava": {
         "base": "smollm2-135m-instruct",
         "image_size": 16,
