@@ -7,9 +7,7 @@ Every digit image belongs to one split (train, val, test) by a stable hash of it
 
 from __future__ import annotations
 
-import base64
 import functools
-import io
 
 import numpy as np
 
@@ -47,12 +45,3 @@ def overview(full: np.ndarray) -> np.ndarray:
     """The picture with every 4x4 block replaced by its mean: each digit becomes 2x2 blocks."""
     blocks = full.reshape(4, 4, 4, 4).astype(np.float64).mean(axis=(1, 3))  # [4, 4]
     return np.kron(blocks, np.ones((4, 4))).round().astype(np.uint8)
-
-
-def png_url(gray: np.ndarray) -> str:
-    """A grey picture as a PNG data URL (tasks are JSON; images read it back)."""
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(gray, mode="L").save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()

@@ -59,6 +59,17 @@ def read_image(source: Any) -> Any:
         raise ValueError(f"cannot read image {what}: {type(exc).__name__}: {exc}".splitlines()[0][:300]) from None
 
 
+def png_data_url(source: Any, max_side: int | None = None) -> str:
+    """`source` (anything `read_image` takes) as a PNG `data:` URL, at most `max_side` pixels a side when
+    given (aspect kept): how images travel in JSON (tasks, trajectory records, API requests)."""
+    picture = read_image(source)
+    if max_side is not None:
+        picture.thumbnail((max_side, max_side))
+    buf = io.BytesIO()
+    picture.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
 def image_parts(message: Message) -> list[Any]:
     """The image sources of a message's content parts, in order (none for a string content)."""
     content = message.get("content")

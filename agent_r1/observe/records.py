@@ -9,9 +9,7 @@ are written as `trajectories/step_000001.jsonl.gz` in the run directory (see doc
 
 from __future__ import annotations
 
-import base64
 import gzip
-import io
 import json
 import os
 import re
@@ -21,6 +19,7 @@ from typing import Any
 
 import torch
 
+from agent_r1.models.vision import png_data_url
 from agent_r1.rollout.merge import extends, merge_trajectory
 from agent_r1.types import TrainSequence, Trajectory
 
@@ -91,7 +90,7 @@ def _turns(traj: Trajectory, rows: list[dict[str, Any]], tokenizer: Any) -> list
             {
                 "index": s.index,
                 "observation": tokenizer.decode(new),
-                "images": [thumbnail_url(i.picture) for i in new_images if i.picture is not None],
+                "images": [png_data_url(i.picture, max_side=256) for i in new_images if i.picture is not None],
                 "rewritten": context is not None and not appended,
                 "response": s.text,
                 "finish_reason": s.finish_reason,
@@ -104,15 +103,6 @@ def _turns(traj: Trajectory, rows: list[dict[str, Any]], tokenizer: Any) -> list
         )
         context, shown = s.prompt_ids + s.response_ids, len(s.images)
     return turns
-
-
-def thumbnail_url(picture: Any, size: int = 256) -> str:
-    """A PNG data URL of the picture, at most `size` pixels a side (records stay small; viewers show it)."""
-    small = picture.copy()
-    small.thumbnail((size, size))
-    buf = io.BytesIO()
-    small.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def _step_advantages(rows: list[dict[str, Any]]) -> dict[int, float]:

@@ -25,14 +25,14 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from agent_r1.data.digits import draw, overview, picture, png_url
+from agent_r1.data.digits import draw, overview, picture
 from agent_r1.data.splits import Split
 from agent_r1.env.prompt_format import PromptFormat
-from agent_r1.env.tool_calls import extract_answer, format_tool_call, format_tool_responses
+from agent_r1.env.tool_calls import format_tool_call, format_tool_responses
 from agent_r1.env.tool_env import ToolEnv
-from agent_r1.rewards import answer_format, numeric_match
+from agent_r1.models.vision import png_data_url
+from agent_r1.tasks import calculator as arithmetic
 from agent_r1.tools import Tool, ToolResult, calculator, tool
-from agent_r1.tools.calculator import evaluate, format_number
 from agent_r1.types import Message
 
 
@@ -62,13 +62,13 @@ def make_task(rng: random.Random, split: Split) -> dict[str, Any]:
     a, b = rng.randint(10, 99), rng.randint(10, 99)
     index = draw(rng, [int(c) for c in f"{a}{b}"], split)
     full = picture(index)
-    shown = png_url(overview(full))
+    shown = png_data_url(overview(full))
     return {
         "question": QUESTION,
         "answer": a * b,
         "numbers": [a, b],
         "digit_images": index,
-        "picture": png_url(full),
+        "picture": png_data_url(full),
         "messages": [
             {"role": "user", "content": [{"type": "image", "image": shown}, {"type": "text", "text": QUESTION}]}
         ],
@@ -79,14 +79,6 @@ def tasks(options: Options, split: Split, n: int, seed: int = 0) -> list[dict[st
     """`n` pictures of a split, deterministic in `seed` (and disjoint handwriting across splits)."""
     rng = random.Random(f"digits/{split}/{seed}")
     return [make_task(rng, split) for _ in range(n)]
-
-
-def reward(task: dict[str, Any], text: str, format_weight: float = 0.0) -> tuple[float, dict[str, float]]:
-    """Exact numeric match of the final answer, plus `format_weight` x the answer-format check."""
-    answer = extract_answer(text)
-    correct = numeric_match(answer if answer is not None else text, task["answer"])
-    fmt = answer_format(text)
-    return correct + format_weight * fmt, {"correct": correct, "format": fmt}
 
 
 def zoom_tool(shown: dict[str, Any]) -> Tool:
@@ -120,7 +112,7 @@ def make_env(options: Options, prompt_format: PromptFormat, max_turns: int = 4) 
     env = ToolEnv(
         {"zoom": zoom_tool(shown), "calculator": calculator},
         prompt_format,
-        functools.partial(reward, format_weight=options.format_weight),
+        functools.partial(arithmetic.reward, format_weight=options.format_weight),  # the exact product
         instructions=INSTRUCTIONS,
         max_turns=max_turns,
     )
@@ -134,16 +126,11 @@ def demos(options: Options, env: Any, n: int, seed: int = 0) -> list[list[Messag
 
 
 def demo(task: dict[str, Any], zoom: bool) -> list[Message]:
-    """The episode: [zoom, see the full picture,] multiply the two numbers, answer."""
+    """The episode: [zoom, see the full picture,] then the calculator task's own demonstration of the
+    product (the call, the real tool's answer, the final answer)."""
     a, b = task["numbers"]
-    product = format_number(evaluate(f"{a} * {b}"))
     messages: list[Message] = list(task["messages"])
     if zoom:
         shown = format_tool_responses([ZOOMED], [[task["picture"]]])
         messages += [{"role": "assistant", "content": format_tool_call("zoom", {})}, {"role": "user", "content": shown}]
-    return [
-        *messages,
-        {"role": "assistant", "content": format_tool_call("calculator", {"expression": f"{a} * {b}"})},
-        {"role": "user", "content": format_tool_responses([product])},
-        {"role": "assistant", "content": f"<answer>{product}</answer>"},
-    ]
+    return [*messages, *arithmetic.demo({"question": QUESTION, "solution": f"{a} * {b}"})[1:]]

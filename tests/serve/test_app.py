@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from agent_r1.env.prompt_format import ChatFormat
+from agent_r1.models.vision import png_data_url
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.serve import ServedModel, create_app
@@ -358,17 +359,6 @@ async def test_load_weights_is_refused_unless_the_server_allows_it(client, token
     assert r.status_code == 403 and "allow_weight_updates=true" in r.json()["error"]["message"]
 
 
-def data_url(array) -> str:
-    import base64
-    import io
-
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(array).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 async def test_a_vision_model_answers_image_url_parts_as_the_agent_loop_would(tiny_llava):
     """An OpenAI image_url part (a data URL) reaches the vision tower: the answer is the one the engine
     gives for the same prompt ids and image, and a different picture changes it."""
@@ -394,7 +384,12 @@ async def test_a_vision_model_answers_image_url_parts_as_the_agent_loop_would(ti
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
         a, b, bad, remote = [
             await c.post("/v1/chat/completions", json=ask(url))
-            for url in (data_url(picture(1)), data_url(picture(2)), "data:image/png;base64,AAAA", "http://x.org/p.png")
+            for url in (
+                png_data_url(picture(1)),
+                png_data_url(picture(2)),
+                "data:image/png;base64,AAAA",
+                "http://x.org/p.png",
+            )
         ]
     assert a.status_code == b.status_code == 200
     messages = [
@@ -418,7 +413,7 @@ async def test_a_vision_model_answers_image_url_parts_as_the_agent_loop_would(ti
 async def test_a_text_only_model_refuses_images_in_one_line(client):
     from tests.conftest import picture
 
-    content = [{"type": "image_url", "image_url": {"url": data_url(picture(0))}}, {"type": "text", "text": "hi"}]
+    content = [{"type": "image_url", "image_url": {"url": png_data_url(picture(0))}}, {"type": "text", "text": "hi"}]
     r = await client.post(
         "/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": content}]}
     )

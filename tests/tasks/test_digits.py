@@ -50,7 +50,7 @@ async def test_zoom_shows_the_episode_picture(tiny_llava):
 
 
 @pytest.mark.parametrize("zoom", [True, False])
-def test_demonstrations_call_the_tools_the_task_has(zoom):
+def test_demonstrations_call_the_tools_the_task_has(zoom, tiny_llava):
     task = digits.tasks(digits.Options(), "train", 1, 0)[0]
     demo = digits.demo(task, zoom=zoom)
     calls = [
@@ -59,7 +59,8 @@ def test_demonstrations_call_the_tools_the_task_has(zoom):
     a, b = task["numbers"]
     assert [c.name for c in calls] == (["zoom"] if zoom else []) + ["calculator"]
     assert calls[-1].arguments == {"expression": f"{a} * {b}"} and demo[-1]["content"] == f"<answer>{a * b}</answer>"
-    assert digits.reward(task, demo[-1]["content"])[0] == 1.0 and digits.reward(task, "<answer>1</answer>")[0] == 0.0
+    env = digits.make_env(digits.Options(), prompt_format_for(tiny_llava[1]))
+    assert env.reward_fn(task, demo[-1]["content"])[0] == 1.0 and env.reward_fn(task, "<answer>1</answer>")[0] == 0.0
     shares = [sum(len(d) == 6 for d in digits.demos(digits.Options(zoom_share=s), None, 40)) for s in (0.0, 1.0)]
     assert shares == [0, 40]
     with pytest.raises(ValueError, match="zoom_share"):
