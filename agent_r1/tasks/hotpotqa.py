@@ -211,8 +211,9 @@ def make_env(
 
 
 def demos(options: Options, env: ToolEnv, n: int, seed: int = 0) -> list[list[Message]]:
-    """Search demonstrations of the first `n` training questions (tool responses from `env`'s index)."""
-    return [demo(t, env) for t in load(options.data, n=n)]
+    """Search demonstrations of the first `n` training questions (tool responses from `env`'s index);
+    with `gold_context`, answers read from the supporting paragraphs in the prompt, without a tool."""
+    return [demo(t, env) for t in tasks(options, "train", n)]
 
 
 def demo(task: dict[str, Any], env: ToolEnv) -> list[Message]:
@@ -223,7 +224,13 @@ def demo(task: dict[str, Any], env: ToolEnv) -> list[Message]:
     Searching the question first is what a small model can learn to do on any question; the titles
     of the missing paragraphs are the second hop (they appear in the first results as bridge
     entities). Tool responses come from `env`'s own tools and token cut, so SFT shows exactly what a
-    rollout would see."""
+    rollout would see.
+
+    A task with its own `messages` (the `gold_context` oracle: the supporting paragraphs, then the
+    question) is answered at once, quoting where the paragraphs state the answer: a reader trained on
+    these measures reading apart from searching."""
+    if "messages" in task:
+        return [*task["messages"], final_answer(task, task["messages"][-1]["content"])]
     messages: list[Message] = [{"role": "user", "content": task["question"]}]
 
     def call(name: str, args: dict[str, str], thought: str) -> str:
@@ -245,9 +252,13 @@ def demo(task: dict[str, Any], env: ToolEnv) -> list[Message]:
         if f"(Title: {title})" not in found and title not in found:
             found += "\n" + call("search", {"query": title}, f"I need {title}.")
         found += "\n" + call("open", {"title": title}, f"{title} may have the answer.")
+    return [*messages, final_answer(task, found)]
+
+
+def final_answer(task: dict[str, Any], found: str) -> Message:
+    """The demonstration's last turn: quote where `found` states the answer, then give it."""
     thought = evidence(found, task["answer"]) or "I have what I need."
-    answer = f"<think>{thought}</think>\n<answer>{task['answer']}</answer>"
-    return [*messages, {"role": "assistant", "content": answer}]
+    return {"role": "assistant", "content": f"<think>{thought}</think>\n<answer>{task['answer']}</answer>"}
 
 
 def evidence(text: str, answer: str, words: int = 12) -> str | None:

@@ -100,6 +100,26 @@ def test_search_and_open_demonstration_opens_each_supporting_page(tokenizer, tmp
     assert hotpotqa.evidence("(Title: X) Is it so?", "yes") is None  # yes/no is never quoted
 
 
+def test_gold_context_demonstration_answers_from_the_paragraphs_without_a_tool(tokenizer, tmp_path):
+    """The reading oracle's cold start: the supporting paragraphs and the question, then the answer,
+    quoting where a paragraph states it."""
+    env = bridge_env(tokenizer, tmp_path, gold_context=True)
+    prompt = f"(Title: Tinted Windows (band)) {BRIDGE_CORPUS[0].text}\n\nQuestion: {BRIDGE_TASK['question']}"
+    task = dict(BRIDGE_TASK, messages=[{"role": "user", "content": prompt}])
+    demo = hotpotqa.demo(task, env)
+    assert demo[:-1] == task["messages"] and demo[-1]["role"] == "assistant"
+    assert not parse_tool_calls(demo[-1]["content"])
+    assert demo[-1]["content"].startswith("<think>American power pop") and demo[-1]["content"].endswith(
+        "Tulsa, Oklahoma, in 2009.</think>\n<answer>Tulsa</answer>"
+    )
+    real = hotpotqa.demos(hotpotqa.Options(gold_context=True), env, 3)  # the bundled train split
+    for d, t in zip(real, hotpotqa.load(n=3), strict=True):
+        assert len(d) == 2 and d[0]["content"].endswith(f"Question: {t['question']}")
+        assert all(f"(Title: {title})" in d[0]["content"] for title in t["supporting_titles"])
+        assert d[1]["content"].endswith(f"<answer>{t['answer']}</answer>")
+    assert hotpotqa.demos(hotpotqa.Options(), env, 1)[0][0]["content"] == hotpotqa.load(n=1)[0]["question"]
+
+
 async def test_process_reward_is_the_share_of_supporting_pages_read(tokenizer, tmp_path):
     env = bridge_env(tokenizer, tmp_path, process_reward=True)
     await env.reset(BRIDGE_TASK)
