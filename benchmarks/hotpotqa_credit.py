@@ -40,12 +40,21 @@ RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "hotpotqa.yaml"
 ARMS = {
     "sft": None,  # the cold start, evaluated as is
     "oracle": None,  # the cold start with the gold paragraphs in the prompt
-    "grpo": ["rl.algo.estimator=grpo", "rl.task.process_reward=false"],  # every turn: the episode's advantage
-    "gigpo": ["rl.algo.estimator=gigpo", "rl.task.process_reward=false"],  # + step groups (the recipe's γ 0.95)
+    "grpo": [  # every turn: the episode's advantage, from the outcome alone
+        "rl.algo.estimator=grpo",
+        "rl.task.process_reward=false",
+        "rl.task.call_error_reward=0.0",
+    ],
+    "gigpo": [  # + step groups (the recipe's γ 0.95)
+        "rl.algo.estimator=gigpo",
+        "rl.task.process_reward=false",
+        "rl.task.call_error_reward=0.0",
+    ],
     "turn_grpo": [  # per-turn returns-to-go, with a process reward for each supporting page read
         "rl.algo.estimator=turn_grpo",
         "rl.task.process_reward=true",
         "rl.algo.process_reward_weight=0.2",
+        "rl.task.call_error_reward=0.0",
     ],
     "turn_grpo_error_cost": [  # the same, and a cost per wrong call: the format reward no longer pays for
         "rl.algo.estimator=turn_grpo",  # open(query=...) -> error -> answer with the title (docs/search.md)
@@ -58,6 +67,7 @@ ARMS = {
         "rl.task.process_reward=true",
         "rl.algo.process_reward_weight=0.5",
         "rl.algo.process_reward_potential=true",
+        "rl.task.call_error_reward=0.0",
     ],
 }
 
