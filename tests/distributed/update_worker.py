@@ -61,6 +61,8 @@ def main(out: str, estimator: str) -> None:
         with open(f"{out}/metrics.json", "w") as f:
             json.dump(metrics, f)
     dist.barrier()
+    if torch.distributed.is_initialized():  # gloo's threads torn down at exit can abort a rank (SIGABRT)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
