@@ -62,6 +62,20 @@ ARMS = {
         "rl.algo.process_reward_weight=0.2",
         "rl.task.call_error_reward=-1.0",  # x 0.2 = -0.2 per wrong call: more than its +0.1 format reward
     ],
+    "turn_grpo_episode_format": [  # the same, with Search-R1's format reward: paid once per answered,
+        "rl.algo.estimator=turn_grpo",  # well-formed episode, so calling more earns nothing
+        "rl.task.process_reward=true",
+        "rl.algo.process_reward_weight=0.2",
+        "rl.task.call_error_reward=-1.0",
+        "rl.task.format_reward=episode",
+    ],
+    "grpo_process": [  # GRPO on the same rewards as turn_grpo_episode_format, summed into the episode's
+        "rl.algo.estimator=grpo",  # return: the estimator apart from the rewards
+        "rl.task.process_reward=true",
+        "rl.algo.process_reward_weight=0.2",
+        "rl.task.call_error_reward=-1.0",
+        "rl.task.format_reward=episode",
+    ],
     "turn_grpo_potential": [  # the same, the reading reward as a potential: returns stay the outcome's
         "rl.algo.estimator=turn_grpo",
         "rl.task.process_reward=true",

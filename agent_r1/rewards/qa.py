@@ -85,3 +85,27 @@ def qa_em_and_format(responses: Sequence[str], gold: str | Sequence[str]) -> flo
     if not responses:
         return 0.0
     return min(qa_format_score(responses), 0.5) + qa_answer_score(responses[-1], gold)
+
+
+def qa_well_formed(responses: Sequence[str]) -> bool:
+    """Every turn well formed, and the episode ended with an answer: a thought and one tool call per
+    intermediate turn, a thought and the answer in the last."""
+    if not responses:
+        return False
+    calls = all(_CALL_TURN.match(r.strip()) for r in responses[:-1])
+    return calls and bool(_ANSWER_TURN.match(responses[-1].strip()))
+
+
+EPISODE_FORMAT_BONUS = 0.2
+
+
+def qa_em_and_episode_format(
+    responses: Sequence[str], gold: str | Sequence[str], bonus: float = EPISODE_FORMAT_BONUS
+) -> float:
+    """answer + `bonus` once when the whole episode is well formed (`qa_well_formed`).
+
+    Search-R1's format reward (Jin et al. 2025, arXiv 2503.09516) pays the format once per episode;
+    Agent-R1's per-call term pays each well-formed call, so a policy can earn it by calling more
+    instead of answering (docs/search.md, "A format reward that cannot be farmed"). Paid once, and only
+    to an episode that answered, more calls earn nothing and running into the turn cap loses it."""
+    return qa_answer_score(responses[-1], gold) + bonus * qa_well_formed(responses) if responses else 0.0

@@ -27,7 +27,16 @@ from agent_r1.env.tool_calls import extract_answer, format_tool_call, format_too
 from agent_r1.env.tool_env import ToolEnv, truncate_to_tokens
 from agent_r1.retrieval import Passage, Retriever, load_retriever, open_tool, search_tool
 from agent_r1.retrieval.server import RemoteRetriever
-from agent_r1.rewards.qa import exact_match, f1_score, qa_em_and_format, qa_format_score, sub_exact_match
+from agent_r1.rewards.qa import (
+    EPISODE_FORMAT_BONUS,
+    exact_match,
+    f1_score,
+    qa_em_and_episode_format,
+    qa_em_and_format,
+    qa_format_score,
+    qa_well_formed,
+    sub_exact_match,
+)
 from agent_r1.types import Message
 
 DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "hotpotqa"
@@ -52,6 +61,9 @@ class Options:
     call_error_reward: float = 0.0
     """process reward per call the model got wrong (bad arguments, unknown tool, malformed); negative
     takes away the format reward's pay for a call that did nothing (docs/search.md)"""
+    format_reward: Literal["per_call", "episode"] = "per_call"
+    """per_call: Agent-R1's 0.1 per well-formed turn (up to 0.5); episode: Search-R1's 0.2 once for a
+    well-formed episode that answered, which calling more cannot raise (docs/search.md)"""
     gold_context: bool = False
     """an oracle for diagnosis: show the supporting paragraphs with the question (measures reading, not search)"""
 
@@ -60,6 +72,8 @@ class Options:
             raise ValueError(f"task.max_tool_tokens must be >= 1, got {self.max_tool_tokens}")
         if self.tools not in ("search+open", "search"):
             raise ValueError(f"task.tools must be search+open or search, got {self.tools!r}")
+        if self.format_reward not in ("per_call", "episode"):
+            raise ValueError(f"task.format_reward must be per_call or episode, got {self.format_reward!r}")
         if self.snippet_words < 1:
             raise ValueError(f"task.snippet_words must be >= 1, got {self.snippet_words}")
         if self.retriever not in ("bm25", "dense") and not self.retriever.startswith(("http://", "https://")):
@@ -134,11 +148,18 @@ def _cached_retriever(kind: str, paths: tuple[str, ...]) -> Retriever:
     return load_retriever(_pages(paths), kind)
 
 
-def reward(task: dict[str, Any], responses: list[str]) -> tuple[float, dict[str, float]]:
-    """Agent-R1's qa_em_and_format over the episode's responses, with EM / F1 / sub-EM of the answer."""
+def reward(
+    task: dict[str, Any], responses: list[str], format_reward: str = "per_call"
+) -> tuple[float, dict[str, float]]:
+    """Agent-R1's qa_em_and_format over the episode's responses (or, with format_reward=episode,
+    Search-R1's format paid once), with EM / F1 / sub-EM of the answer and the format term logged."""
     answer = extract_answer(responses[-1]) if responses else None
     scored = {"em": exact_match, "f1": f1_score, "sub_em": sub_exact_match}
     parts = {name: fn(answer, task["answer"]) if answer is not None else 0.0 for name, fn in scored.items()}
+    if format_reward == "episode":
+        total = qa_em_and_episode_format(responses, task["answer"])
+        parts |= {"correct": parts["em"], "format": EPISODE_FORMAT_BONUS * qa_well_formed(responses)}
+        return total, parts
     parts |= {"correct": parts["em"], "format": qa_format_score(responses)}
     return qa_em_and_format(responses, task["answer"]), parts
 
@@ -200,7 +221,7 @@ def make_env(
     return ToolEnv(
         tools,
         prompt_format,
-        reward,
+        functools.partial(reward, format_reward=options.format_reward),
         instructions=INSTRUCTIONS[options.tools],
         max_turns=max_turns,
         max_tool_tokens=options.max_tool_tokens,

@@ -7,6 +7,7 @@ from agent_r1.rewards.qa import (
     f1_score,
     normalize_answer,
     qa_answer_score,
+    qa_em_and_episode_format,
     qa_em_and_format,
     qa_format_score,
     sub_exact_match,
@@ -59,3 +60,19 @@ def test_answer_score_and_total():
     six_calls = [call] * 6 + ["<think>b</think>\n<answer>Tulsa</answer>"]
     assert qa_em_and_format(six_calls, "Tulsa") == pytest.approx(0.5 + 1.0)  # format capped at 0.5
     assert qa_em_and_format([call, "<think>b</think>\n<answer>Dallas</answer>"], "Tulsa") == pytest.approx(0.2)
+
+
+def test_episode_format_is_paid_once_and_only_to_an_episode_that_answered():
+    call = "<think>a</think>\n<tool_call>{}</tool_call>"
+    right, wrong = "<think>b</think>\n<answer>Tulsa</answer>", "<think>b</think>\n<answer>Dallas</answer>"
+    assert qa_em_and_episode_format([call, right], "Tulsa") == pytest.approx(1.0 + 0.2)
+    # more calls earn nothing more (the per-call term would pay 0.1 each, up to 0.5)
+    assert qa_em_and_episode_format([call] * 5 + [wrong], "Tulsa") == pytest.approx(0.2)
+    assert qa_em_and_format([call] * 5 + [wrong], "Tulsa") == pytest.approx(0.5)
+    # cut off at the turn cap: no answer, no format pay (the per-call term still pays the calls)
+    assert qa_em_and_episode_format([call] * 4, "Tulsa") == 0.0
+    assert qa_em_and_format([call] * 4, "Tulsa") == pytest.approx(0.3)
+    # one malformed turn anywhere loses it; the answer term stands
+    assert qa_em_and_episode_format(["<tool_call>{}</tool_call>", right], "Tulsa") == pytest.approx(1.0)
+    assert qa_em_and_episode_format([right], "Tulsa", bonus=0.5) == pytest.approx(1.5)
+    assert qa_em_and_episode_format([], "Tulsa") == 0.0

@@ -161,11 +161,30 @@ async def test_call_error_reward_charges_the_learned_shortcut(tokenizer, tmp_pat
     assert (await step("open", title="Adam Schlesinger")).reward == 0.5
 
 
+async def test_episode_format_reward_pays_the_demonstration_once(tokenizer, tmp_path):
+    """format_reward=episode: the demonstration (3 calls, then the answer) ends on 1.0 + 0.2 from the
+    env, where the per-call term pays 1.0 + 0.4; five more calls would raise only the per-call one."""
+    for fmt, outcome in (("per_call", 1.0 + 0.4), ("episode", 1.0 + 0.2)):
+        env = bridge_env(tokenizer, tmp_path, format_reward=fmt)
+        await env.reset(BRIDGE_TASK)
+        for m in hotpotqa.demo(BRIDGE_TASK, bridge_env(tokenizer, tmp_path))[1::2]:
+            ids = tokenizer.encode(m["content"])
+            result = await env.step(Action(ids, [0.0] * len(ids), m["content"]))
+        assert result.done and result.reward == pytest.approx(outcome)
+        assert result.info["reward_parts"]["format"] == pytest.approx(outcome - 1.0)
+    calls = [m["content"] for m in hotpotqa.demo(BRIDGE_TASK, bridge_env(tokenizer, tmp_path))[1::2]]
+    padded = calls[:1] * 5 + calls
+    assert hotpotqa.reward(BRIDGE_TASK, padded, "episode")[0] == pytest.approx(1.2)
+    assert hotpotqa.reward(BRIDGE_TASK, padded)[0] == pytest.approx(1.5)
+
+
 def test_bad_options_are_one_line_errors():
     with pytest.raises(ValueError, match=r"task.tools must be search\+open or search"):
         hotpotqa.Options(tools="open")
     with pytest.raises(ValueError, match=r"task.snippet_words must be >= 1"):
         hotpotqa.Options(snippet_words=0)
+    with pytest.raises(ValueError, match=r"task.format_reward must be per_call or episode, got 'once'"):
+        hotpotqa.Options(format_reward="once")
 
 
 def test_tiny_model_rolls_out_in_the_search_env(tokenizer, tiny_model):
