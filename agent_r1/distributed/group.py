@@ -29,6 +29,8 @@ class Dist:
 
     rank: int = 0
     world: int = 1
+    owns_group: bool = False
+    """`init_distributed` started the process group, so `close` ends it"""
 
     @property
     def main(self) -> bool:
@@ -79,6 +81,14 @@ class Dist:
         if self.world > 1:
             torch.distributed.barrier()
 
+    def close(self) -> None:
+        """Wait for every rank, then end the process group this process started. Left to interpreter
+        exit, gloo's teardown can race the other ranks' and abort one of them (SIGABRT after the work
+        is done); a group someone else started is theirs to end."""
+        self.barrier()
+        if self.owns_group:
+            torch.distributed.destroy_process_group()
+
     @contextlib.contextmanager
     def failure_report(self) -> Iterator[SimpleNamespace]:
         """Name the rank and the step of an exception on its way out (set `report.step` as you go).
@@ -126,9 +136,10 @@ def init_distributed(device: str, timeout_s: float = 1800.0) -> Dist:
     already up (a test, a user's own launcher) is joined as it is."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return SINGLE
-    if not torch.distributed.is_initialized():
+    owns = not torch.distributed.is_initialized()
+    if owns:
         cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
-    return Dist(torch.distributed.get_rank(), torch.distributed.get_world_size())
+    return Dist(torch.distributed.get_rank(), torch.distributed.get_world_size(), owns_group=owns)

@@ -296,7 +296,7 @@ def train(
         plot_metrics(read_metrics(run_dir), run_dir / "plots" / "curves.png", title=str(run_dir))
         if not (validator and cfg.val.keep_best):  # with keep_best, policy/ already holds the best step
             export_policy(plain, processor, run_dir / "policy", info=info | {"step": cfg.steps})
-    dist.barrier()  # no rank leaves (and tears the process group down) before rank 0 has exported
+    dist.close()  # no rank leaves before rank 0 has exported; then the process group ends cleanly
     return history
 
 

@@ -60,9 +60,8 @@ def main(out: str, estimator: str) -> None:
         save_file(state, f"{out}/weights.safetensors")
         with open(f"{out}/metrics.json", "w") as f:
             json.dump(metrics, f)
-    dist.barrier()
-    if torch.distributed.is_initialized():  # gloo's threads torn down at exit can abort a rank (SIGABRT)
-        torch.distributed.destroy_process_group()
+    dist.close()
+    assert not torch.distributed.is_initialized(), "Dist.close left the process group it started"
 
 
 if __name__ == "__main__":
