@@ -44,23 +44,27 @@ ARMS = {
         "rl.algo.estimator=grpo",
         "rl.task.process_reward=false",
         "rl.task.call_error_reward=0.0",
+        "rl.task.format_reward=per_call",
     ],
     "gigpo": [  # + step groups (the recipe's γ 0.95)
         "rl.algo.estimator=gigpo",
         "rl.task.process_reward=false",
         "rl.task.call_error_reward=0.0",
+        "rl.task.format_reward=per_call",
     ],
     "turn_grpo": [  # per-turn returns-to-go, with a process reward for each supporting page read
         "rl.algo.estimator=turn_grpo",
         "rl.task.process_reward=true",
         "rl.algo.process_reward_weight=0.2",
         "rl.task.call_error_reward=0.0",
+        "rl.task.format_reward=per_call",
     ],
     "turn_grpo_error_cost": [  # the same, and a cost per wrong call: the format reward no longer pays for
         "rl.algo.estimator=turn_grpo",  # open(query=...) -> error -> answer with the title (docs/search.md)
         "rl.task.process_reward=true",
         "rl.algo.process_reward_weight=0.2",
         "rl.task.call_error_reward=-1.0",  # x 0.2 = -0.2 per wrong call: more than its +0.1 format reward
+        "rl.task.format_reward=per_call",
     ],
     "turn_grpo_episode_format": [  # the same, with Search-R1's format reward: paid once per answered,
         "rl.algo.estimator=turn_grpo",  # well-formed episode, so calling more earns nothing
@@ -82,6 +86,7 @@ ARMS = {
         "rl.algo.process_reward_weight=0.5",
         "rl.algo.process_reward_potential=true",
         "rl.task.call_error_reward=0.0",
+        "rl.task.format_reward=per_call",
     ],
 }
 
