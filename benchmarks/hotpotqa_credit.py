@@ -66,7 +66,7 @@ ARMS = {
         "rl.task.call_error_reward=-1.0",  # x 0.2 = -0.2 per wrong call: more than its +0.1 format reward
         "rl.task.format_reward=per_call",
     ],
-    "turn_grpo_episode_format": [  # the same, with Search-R1's format reward: paid once per answered,
+    "turn_grpo_episode_format": [  # the same, with the format reward paid once per answered,
         "rl.algo.estimator=turn_grpo",  # well-formed episode, so calling more earns nothing
         "rl.task.process_reward=true",
         "rl.algo.process_reward_weight=0.2",

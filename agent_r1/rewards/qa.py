@@ -104,8 +104,9 @@ def qa_em_and_episode_format(
 ) -> float:
     """answer + `bonus` once when the whole episode is well formed (`qa_well_formed`).
 
-    Search-R1's format reward (Jin et al. 2025, arXiv 2503.09516) pays the format once per episode;
+    The Search-R1 authors' format reward (Jin et al. 2025, "An Empirical Study on RL for
+    Reasoning-Search Interleaved LLM Agents", arXiv 2505.15117) pays the format once per episode;
     Agent-R1's per-call term pays each well-formed call, so a policy can earn it by calling more
-    instead of answering (docs/search.md, "A format reward that cannot be farmed"). Paid once, and only
+    instead of answering (docs/search.md, "A format reward paid once"). Paid once, and only
     to an episode that answered, more calls earn nothing and running into the turn cap loses it."""
     return qa_answer_score(responses[-1], gold) + bonus * qa_well_formed(responses) if responses else 0.0

@@ -62,7 +62,7 @@ class Options:
     """process reward per call the model got wrong (bad arguments, unknown tool, malformed); negative
     takes away the format reward's pay for a call that did nothing (docs/search.md)"""
     format_reward: Literal["per_call", "episode"] = "per_call"
-    """per_call: Agent-R1's 0.1 per well-formed turn (up to 0.5); episode: Search-R1's 0.2 once for a
+    """per_call: Agent-R1's 0.1 per well-formed turn (up to 0.5); episode: 0.2 once for a
     well-formed episode that answered, which calling more cannot raise (docs/search.md)"""
     gold_context: bool = False
     """an oracle for diagnosis: show the supporting paragraphs with the question (measures reading, not search)"""
@@ -152,7 +152,7 @@ def reward(
     task: dict[str, Any], responses: list[str], format_reward: str = "per_call"
 ) -> tuple[float, dict[str, float]]:
     """Agent-R1's qa_em_and_format over the episode's responses (or, with format_reward=episode,
-    Search-R1's format paid once), with EM / F1 / sub-EM of the answer and the format term logged."""
+    the format paid once), with EM / F1 / sub-EM of the answer and the format term logged."""
     answer = extract_answer(responses[-1]) if responses else None
     scored = {"em": exact_match, "f1": f1_score, "sub_em": sub_exact_match}
     parts = {name: fn(answer, task["answer"]) if answer is not None else 0.0 for name, fn in scored.items()}
