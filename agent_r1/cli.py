@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import typing
 
 from agent_r1.chat import ChatConfig, run_chat
 from agent_r1.config import ConfigError, describe, load_config
+from agent_r1.distributed.group import end_rank
 from agent_r1.evaluate import EvalConfig, run_eval
 from agent_r1.observe.plot import PlotConfig, plot_run
 from agent_r1.observe.viewer.app import ViewConfig, serve_viewer
@@ -70,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"give at most one config file, got {', '.join(paths)}")
         cfg = load_config(cls, paths[0] if paths else None, overrides)
         run(cfg)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a torchrun rank: its work is done and written
+            end_rank(0)
     except (ConfigError, ValueError, OSError) as exc:
         print(f"agent-r1 {ns.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from agent_r1.config import load_config
 from agent_r1.distributed import fsdp
-from agent_r1.distributed.group import init_distributed
+from agent_r1.distributed.group import end_rank, init_distributed
 from agent_r1.trainer.common import adamw
 from agent_r1.trainer.config import TrainConfig
 from agent_r1.trainer.critic import Critic
@@ -62,6 +62,8 @@ def main(out: str, estimator: str) -> None:
             json.dump(metrics, f)
     dist.close()
     assert not torch.distributed.is_initialized(), "Dist.close left the process group it started"
+    if dist.world > 1:
+        end_rank(0)
 
 
 if __name__ == "__main__":
