@@ -82,9 +82,9 @@ class Dist:
             torch.distributed.barrier()
 
     def close(self) -> None:
-        """Wait for every rank, then end the process group this process started. Left to interpreter
-        exit, gloo's teardown can race the other ranks' and abort one of them (SIGABRT after the work
-        is done); a group someone else started is theirs to end."""
+        """Wait for every rank (none leaves before rank 0 has exported), then end the process group this
+        process started, as PyTorch asks of a finished job; a group someone else started is theirs to
+        end. A torchrun rank then leaves through `end_rank`."""
         self.barrier()
         if self.owns_group:
             torch.distributed.destroy_process_group()

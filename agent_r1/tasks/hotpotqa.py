@@ -157,11 +157,13 @@ def reward(
     scored = {"em": exact_match, "f1": f1_score, "sub_em": sub_exact_match}
     parts = {name: fn(answer, task["answer"]) if answer is not None else 0.0 for name, fn in scored.items()}
     if format_reward == "episode":
-        total = qa_em_and_episode_format(responses, task["answer"])
-        parts |= {"correct": parts["em"], "format": EPISODE_FORMAT_BONUS * qa_well_formed(responses)}
-        return total, parts
-    parts |= {"correct": parts["em"], "format": qa_format_score(responses)}
-    return qa_em_and_format(responses, task["answer"]), parts
+        total, fmt = (
+            qa_em_and_episode_format(responses, task["answer"]),
+            EPISODE_FORMAT_BONUS * qa_well_formed(responses),
+        )
+    else:
+        total, fmt = qa_em_and_format(responses, task["answer"]), qa_format_score(responses)
+    return total, parts | {"correct": parts["em"], "format": fmt}
 
 
 def tasks(options: Options, split: Split, n: int, seed: int = 0) -> list[dict[str, Any]]:
