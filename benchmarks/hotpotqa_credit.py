@@ -14,7 +14,8 @@ interval; each tool's calls per episode; the share of supporting paragraphs read
 turn; EM among the episodes that read both; how the episodes ended. An arm already evaluated in --out
 is not run again (delete its directory to redo it), so arms can run one at a time. An RL arm resumes
 from its newest checkpoint: an arm's `rl/` directory copied into a new --out, run with a larger
-`rl.steps`, trains it further from where it stopped.
+`rl.steps`, trains it further from where it stopped. `rl.seed=N` runs the RL arms with another seed
+(other training questions and samples) from the same cold start.
 """
 
 from __future__ import annotations
