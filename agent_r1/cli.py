@@ -15,7 +15,7 @@ import sys
 import typing
 
 from agent_r1.chat import ChatConfig, run_chat
-from agent_r1.config import ConfigError, describe, load_config
+from agent_r1.config import RECIPES, ConfigError, describe, load_config
 from agent_r1.distributed.group import end_rank
 from agent_r1.evaluate import EvalConfig, run_eval
 from agent_r1.observe.plot import PlotConfig, plot_run
@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [a for a in ns.args if "=" in a]
     if (key := POSITIONAL.get(ns.command)) and paths and not paths[0].endswith((".yaml", ".yml")):
         overrides.insert(0, f"{key}={json.dumps(paths.pop(0))}")
+    if ns.command == "demo" and not paths:  # `agent-r1 demo` alone is `make demo`, from any directory
+        paths = [str(RECIPES / "demo.yaml")]
     try:
         if len(paths) > 1:
             raise ConfigError(f"give at most one config file, got {', '.join(paths)}")

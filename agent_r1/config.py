@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import yaml
 
 T = TypeVar("T")
+RECIPES = Path(__file__).with_name("recipes")  # the recipes ship in the package (`recipes/` in a clone links here)
 
 
 class ConfigError(ValueError):
@@ -32,10 +33,21 @@ class ConfigError(ValueError):
         super().__init__(" ".join(message.split()))  # one line, even when a key or a value holds a newline
 
 
+def recipe_path(path: str) -> str:
+    """`path` itself when it exists; else the bundled recipe it names (`recipes/demo.yaml` or `demo.yaml`), so
+    the README's commands work from any directory once agent-r1 is installed."""
+    name = Path(path).name
+    if Path(path).exists() or Path(path).parent.name not in ("", "recipes") or not (RECIPES / name).is_file():
+        return path
+    return str(RECIPES / name)
+
+
 def load_config(cls: type[T], path: str | None = None, overrides: list[str] | None = None) -> T:
-    """Build `cls` from an optional YAML file, then `key.sub=value` overrides (YAML-parsed values)."""
+    """Build `cls` from an optional YAML file (or bundled recipe), then `key.sub=value` overrides (YAML-parsed
+    values)."""
     raw: dict[str, Any] = {}
     if path is not None:
+        path = recipe_path(path)
         try:
             text = Path(path).read_text()
         except OSError as exc:

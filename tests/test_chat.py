@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 
 import pexpect
 import pytest
@@ -117,7 +116,6 @@ def test_bad_chat_arguments_give_one_line(args, message, capsys):
     assert message in err and err.count("\n") == 1
 
 
-@pytest.mark.skipif(not (Path(__file__).parents[2] / "shared/data/hotpotqa").is_dir(), reason="needs ../shared/data")
 def test_chat_sees_the_tools_and_instructions_of_its_task(tokenizer):
     """--task hotpotqa brings its search and open tools and its instructions, plus the --tools asked for."""
     from agent_r1.chat import ChatConfig, session_prompt

@@ -1,6 +1,6 @@
 """GSM8K with a calculator: grade-school math word problems, answered after calculator calls.
 
-Data: ../shared/data/gsm8k/train.jsonl (the GSM8K train split, MIT), split by a stable hash of the
+Data: the bundled agent_r1/data/files/gsm8k/train.jsonl (the GSM8K train split, MIT), split by a stable hash of the
 question into 10% held out (test), 10% validation and 80% train (agent_r1.data.splits); or any file in
 GSM8K's published layout (`task.data=FILE`: question, and an answer that ends in `#### N`), used whole. Reward: numeric
 match of the final answer with GSM8K's `#### N`. Demonstrations: each `<<expr=result>>` calculator
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agent_r1.data.bundled import bundled
 from agent_r1.data.jsonl import load_tasks
 from agent_r1.data.splits import Split, split_of
 from agent_r1.env.prompt_format import PromptFormat
@@ -23,7 +24,6 @@ from agent_r1.tasks import calculator
 from agent_r1.tasks.calculator import calculator_result, tool_call_text
 from agent_r1.types import Message
 
-DEFAULT_PATH = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 _ANNOTATION = re.compile(r"<<([^=<>]+)=([^<>]*)>>")
 _FINAL = re.compile(r"####\s*(.+)\s*$")
 
@@ -31,7 +31,7 @@ _FINAL = re.compile(r"####\s*(.+)\s*$")
 @dataclass
 class Options:
     data: str | None = None
-    """GSM8K-layout jsonl (question, answer ending in `#### N`); None = ../shared/data/gsm8k/train.jsonl"""
+    """GSM8K-layout jsonl (question, answer ending in `#### N`); None = the bundled GSM8K train split"""
     format_weight: float = 0.0
     """weight of the answer-format check added to the outcome reward"""
 
@@ -49,7 +49,7 @@ def load(path: str | Path | None = None, split: Split = "train", n: int | None =
     """GSM8K tasks of one split: question, answer (the number), solution (the annotated text). The bundled
     file is split by question hash; a file given as `path` is used whole, for any split."""
     bucketed = path is None
-    path = path or DEFAULT_PATH
+    path = path or bundled("gsm8k/train.jsonl")
     out = []
     for i, row in enumerate(load_tasks(path), 1):
         if bucketed and split_of(row["question"]) != split:

@@ -4,7 +4,7 @@ Two tool sets (`task.tools`): `search+open` (default), ReAct's Wikipedia tools: 
 the first words of the best matches, `open(title)` the whole paragraph, so the agent coordinates two
 tools; `search`, Search-R1's single tool that shows the top passages whole.
 
-Data: ../shared/data/hotpotqa/{train,dev}.jsonl (HotpotQA distractor, Hugging Face layout, CC BY-SA
+Data: the bundled agent_r1/data/files/hotpotqa/{train,dev}.jsonl (HotpotQA distractor, Hugging Face layout, CC BY-SA
 4.0); train.jsonl is the training split, dev.jsonl the held-out one. The retrieval corpus is every
 context paragraph of both files, pooled and de-duplicated by title (5,912 passages). Reward: Agent-R1's
 `qa_em_and_format` (min(format, 0.5) + answer; docs/algorithms.md), with EM, F1, sub-EM and format logged.
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from agent_r1.data.bundled import bundled
 from agent_r1.data.jsonl import load_tasks
 from agent_r1.data.splits import Split, split_of
 from agent_r1.env.prompt_format import PromptFormat
@@ -38,8 +39,6 @@ from agent_r1.rewards.qa import (
     sub_exact_match,
 )
 from agent_r1.types import Message
-
-DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "hotpotqa"
 
 KIND_KEY = "type"  # eval reports accuracy per question type (bridge, comparison)
 
@@ -100,7 +99,7 @@ def load(path: str | Path | None = None, split: Split = "train", n: int | None =
     test is HotpotQA's dev file; val and train are the fixed hash buckets of its train file (a file
     given as `path` is used whole)."""
     bucketed = path is None and split != "test"  # val and train share the bundled train file
-    path = Path(path) if path else DATA_DIR / ("dev.jsonl" if split == "test" else "train.jsonl")
+    path = Path(path) if path else bundled("hotpotqa/dev.jsonl" if split == "test" else "hotpotqa/train.jsonl")
     tasks = []
     for row in load_tasks(path):
         if bucketed and (split_of(row["question"]) == "val") != (split == "val"):
@@ -117,7 +116,7 @@ def load(path: str | Path | None = None, split: Split = "train", n: int | None =
 
 def corpus(paths: Sequence[str | Path] | None = None) -> list[Passage]:
     """Every context paragraph of the files, first occurrence per title (titles name Wikipedia pages)."""
-    paths = paths or [DATA_DIR / "train.jsonl", DATA_DIR / "dev.jsonl"]
+    paths = paths or _corpus_paths()
     seen: dict[str, Passage] = {}
     for path in paths:
         for row in load_tasks(path):
@@ -129,7 +128,7 @@ def corpus(paths: Sequence[str | Path] | None = None) -> list[Passage]:
 
 
 def retriever_for(kind: str = "bm25", extra: Sequence[str | Path] = ()) -> Retriever:
-    """`bm25` or `dense` over the corpus (the shared files that exist + `extra` files), or the URL of
+    """`bm25` or `dense` over the corpus (the bundled files + `extra` files), or the URL of
     an `agent-r1 retrieval-server` that many rollout workers share."""
     if kind.startswith(("http://", "https://")):
         return RemoteRetriever(kind)
@@ -137,10 +136,8 @@ def retriever_for(kind: str = "bm25", extra: Sequence[str | Path] = ()) -> Retri
 
 
 def _corpus_paths(extra: Sequence[str | Path] = ()) -> tuple[str, ...]:
-    """The shared files that exist, then `extra` files."""
-    return tuple(str(p) for p in (DATA_DIR / "train.jsonl", DATA_DIR / "dev.jsonl") if p.is_file()) + tuple(
-        str(p) for p in extra
-    )
+    """The bundled files, then `extra` files."""
+    return tuple(str(bundled(f"hotpotqa/{name}.jsonl")) for name in ("train", "dev")) + tuple(str(p) for p in extra)
 
 
 @functools.cache

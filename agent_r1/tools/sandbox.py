@@ -235,17 +235,18 @@ def _clean_env(home: Path) -> dict[str, str]:
 
 def _bwrap_prefix(scratch: Path) -> list[str]:
     """bubblewrap's command line: the host read-only, the scratch directory writable at /tmp, no network,
-    and this user's home hidden (tokens, keys), less the Python installation when it lives there."""
-    home = str(Path.home())
-    prefixes = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
-    keep = [arg for p in prefixes if p.startswith(home + os.sep) for arg in ("--ro-bind", p, p)]
+    and this user's home hidden (tokens, keys). The Python installation is mounted back, read-only, on
+    top of whatever hides it: a venv under $HOME or under /tmp (a clone in /tmp is common) must stay
+    visible, or the interpreter cannot start and `isolation=auto` would fall back to no isolation."""
+    home = os.path.realpath(Path.home())
     return [
         "bwrap",
         "--ro-bind", "/", "/",
         "--dev", "/dev",
         "--proc", "/proc",
-        "--tmpfs", home, *keep,
+        "--tmpfs", home,
         "--bind", str(scratch), "/tmp",
+        *(arg for p in _hidden_python_paths(home) for arg in ("--ro-bind", p, p)),
         "--chdir", "/tmp",
         "--unshare-all", "--unshare-user",  # user, PID, network, IPC, UTS and cgroup namespaces
         "--uid", str(NOBODY), "--gid", str(NOBODY),
@@ -253,6 +254,16 @@ def _bwrap_prefix(scratch: Path) -> list[str]:
         "--new-session",  # no TIOCSTI into the terminal that started the trainer
         "--cap-drop", "ALL",
     ]  # fmt: skip
+
+
+def _hidden_python_paths(home: str) -> list[str]:
+    """The interpreter's prefixes and package directories that the home tmpfs or the /tmp bind would hide,
+    outermost first (a nested one is already inside its parent's mount). Both the path as Python names it
+    and its real path: a symlinked venv is reached through the link, its files through the target."""
+    candidates = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(sys.executable), *_PATHS}
+    paths = {q for p in candidates for q in (os.path.abspath(p), os.path.realpath(p)) if os.path.isdir(q)}
+    hidden = sorted(p for p in paths if any(p == d or p.startswith(d + os.sep) for d in (home, "/tmp")))
+    return [p for i, p in enumerate(hidden) if not any(p.startswith(q + os.sep) for q in hidden[:i])]
 
 
 class PidsCgroup:

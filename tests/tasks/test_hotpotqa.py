@@ -1,4 +1,4 @@
-"""The HotpotQA task on the shared data: splits, the pooled corpus, demonstrations, and a tiny-model run."""
+"""The HotpotQA task on the bundled data: splits, the pooled corpus, demonstrations, and a tiny-model run."""
 
 import pytest
 
@@ -11,8 +11,6 @@ from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.task import TaskSpec
 from agent_r1.tasks import hotpotqa
 from agent_r1.types import Action
-
-pytestmark = pytest.mark.skipif(not hotpotqa.DATA_DIR.is_dir(), reason="needs ../shared/data/hotpotqa")
 
 
 def test_test_is_the_dev_file_and_val_a_bucket_of_the_train_file():

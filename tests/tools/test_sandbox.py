@@ -206,3 +206,49 @@ def test_a_machine_that_cannot_cap_processes_is_warned_about(monkeypatch):
     monkeypatch.setattr(sandbox_mod, "process_limit_problem", lambda: "running as root without a pids cgroup")
     with pytest.warns(UserWarning, match="without a process limit: running as root without a pids cgroup"):
         PythonSandbox(isolation="none")
+
+
+PROBE = """
+import asyncio, json, sys
+from agent_r1.tools.sandbox import PythonSandbox, SandboxLimits
+
+async def main():
+    sb = PythonSandbox(SandboxLimits(wall_seconds=10, cpu_seconds=5, memory_mb=512), isolation=sys.argv[1])
+    try:
+        where = await sb.run("import sys\\nsys.executable")
+        write = await sb.run(f"open({sys.argv[2]!r} + '/evil', 'w').write('x')")
+        print(json.dumps([sb.isolation, where.output, write.error]))
+    finally:
+        await sb.aclose()
+
+asyncio.run(main())
+"""
+
+
+@needs_bwrap
+@pytest.mark.parametrize("place", ["tmp", "home", "elsewhere"])
+def test_the_sandbox_isolates_wherever_the_interpreter_lives(place, tmp_path):
+    """A venv under /tmp (a clone there), under $HOME, or anywhere else: its interpreter starts inside the
+    sandbox (the isolation is real, not a silent fallback), sees itself, and cannot write to itself."""
+    import subprocess
+    import sys
+    import sysconfig
+
+    parent = {"tmp": tmp_path, "home": Path.home(), "elsewhere": Path("/var/tmp")}[place]
+    root = Path(tempfile.mkdtemp(prefix="agent-r1-venv-", dir=parent))
+    try:
+        venv = root / "venv"
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+        (site,) = venv.glob("lib/python*/site-packages")
+        repo = Path(__file__).resolve().parents[2]
+        (site / "agent_r1_test.pth").write_text(f"{repo}\n{sysconfig.get_paths()['purelib']}\n")
+        out = subprocess.run(
+            [str(venv / "bin" / "python"), "-c", PROBE, "bwrap", str(venv)],
+            capture_output=True, text=True, timeout=120, cwd=root,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        isolation, prefix, write_error = __import__("json").loads(out.stdout.splitlines()[-1])
+        assert isolation == "bwrap" and prefix.strip().strip("'") == str(venv / "bin" / "python")
+        assert "Read-only file system" in write_error and not (venv / "evil").exists()
+    finally:
+        shutil.rmtree(root)
