@@ -22,6 +22,7 @@ from agent_r1.observe.plot import PlotConfig, plot_run
 from agent_r1.observe.viewer.app import ViewConfig, serve_viewer
 from agent_r1.pipeline import DemoConfig, run_demo
 from agent_r1.retrieval.server import RetrievalServerConfig, serve_retrieval
+from agent_r1.rollout.producer import RolloutStalled
 from agent_r1.rollout.remote_engine import RemoteEngineError
 from agent_r1.serve.server import ServeConfig, run_serve
 from agent_r1.trainer.config import TrainConfig
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, OSError) as exc:
         print(f"agent-r1 {ns.command}: error: {exc}", file=sys.stderr)
         return 2
-    except RemoteEngineError as exc:  # the inference server went away: checkpoints on disk are whole (resume=true)
+    except (RemoteEngineError, RolloutStalled) as exc:  # the server went away, or no episode can run:
+        # checkpoints on disk are whole (resume=true)
         print(f"agent-r1 {ns.command}: stopped: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -94,6 +94,7 @@ class Step:
     done: bool = False  # the env ended the episode with this step: its reward is the outcome
     state: str = ""  # the env state the step acted from (Observation.state, else a digest of the prompt)
     images: list[Image] = field(default_factory=list)  # the images of prompt_ids, in placeholder order
+    response_versions: list[int] | None = None  # [R] policy version that sampled each id (async RL), if tracked
 
 
 @dataclass
@@ -144,3 +145,5 @@ class TrainSequence:
     logprobs: list[float]  # [T] rollout log-prob on sampled tokens, 0.0 elsewhere
     step_index: list[int]  # [T] index of the step that sampled the token, -1 on non-sampled tokens
     images: list[Image] = field(default_factory=list)  # the images of input_ids, in placeholder order
+    versions: list[int] = field(default_factory=list)  # [T] the policy version that computed the token's whole
+    # step (async RL), -1 on prompt tokens and where a step spans a weight update or versions are not tracked

@@ -44,16 +44,19 @@ class AgentEnvLoop:
         self.max_steps = max_steps  # a safety cap; envs normally end episodes themselves
         self.seed = seed
 
-    async def run(self, tasks: list[dict[str, Any]], group_size: int = 1, first_index: int = 0) -> list[Trajectory]:
+    async def run(
+        self, tasks: list[dict[str, Any]], group_size: int = 1, first_index: int = 0, cohort: bool = True
+    ) -> list[Trajectory]:
         """Trajectories of every task × `group_size` samples, grouped task by task. Trajectory i is
         seeded as the loop's `first_index + i`-th: a worker given a share of a batch samples its
-        trajectories exactly as one loop over the whole batch would."""
+        trajectories exactly as one loop over the whole batch would. `cohort=False` lets other callers'
+        requests share the engine's batches as they come (an asynchronous producer's groups)."""
         trajs = []
         for task in tasks:
             group = uuid.uuid4().hex[:12]
             trajs += [Trajectory(task=task, traj_id=f"{group}-{g}", group_id=group) for g in range(group_size)]
-        cohort = getattr(self.engine, "cohort", None)  # LocalEngine: batches that do not depend on timing
-        with cohort(len(trajs)) if cohort else contextlib.nullcontext() as members:
+        make_cohort = getattr(self.engine, "cohort", None) if cohort else None  # LocalEngine: timing-free batches
+        with make_cohort(len(trajs)) if make_cohort else contextlib.nullcontext() as members:
             await asyncio.gather(*(self._episode(t, first_index + i, members) for i, t in enumerate(trajs)))
         return trajs
 
@@ -93,6 +96,7 @@ class AgentEnvLoop:
                         done,
                         state,
                         images,
+                        out.versions,
                     )
                 )
                 if done:

@@ -48,6 +48,7 @@ class GenerateOutput:
     text: str
     finish_reason: str  # "stop" | "eos" | "length"
     prompt_len: int = 0
+    versions: list[int] | None = None  # [R] the policy version that sampled each token (None: not tracked)
 
 
 class Engine(Protocol):

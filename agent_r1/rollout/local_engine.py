@@ -40,9 +40,13 @@ each placeholder stands for its image's digest (identical placeholders can be di
 the Qwen2-VL family's positions come from its own `get_rope_index` (docs/vision.md).
 
 The decode loop runs in a worker thread, which lets the event loop run tool calls while the model
-decodes. Weights change only when no sequence is running: `load_weights` stops admitting new
-sequences, waits for the running ones to finish, then copies, so every response is sampled from one
-version of the weights.
+decodes. By default weights change only when no sequence is running: `load_weights` stops admitting
+new sequences, waits for the running ones to finish, then copies, so every response is sampled from
+one version of the weights. `load_weights(..., between_tokens=True)` (asynchronous RL's partial
+rollouts) instead pauses decoding at the next token boundary, copies, and lets the running sequences
+go on with the new weights over the keys they already hold (PipelineRL's in-flight weight updates,
+Piché et al. 2025, arXiv 2509.19128). Every sampled token records the `weights_version` that sampled
+it (`GenerateOutput.versions`), so a response that spans an update says which tokens came from which.
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ class _Seq:
     delta: int = 0  # position - column of every token after the last image (its sampled tokens)
     out_ids: list[int] = field(default_factory=list)
     out_lp: list[float] = field(default_factory=list)
+    out_ver: list[int] = field(default_factory=list)  # the weights_version that sampled each token
     finish: str = "length"
     slot: int = -1
     n: int = 0  # columns of its slot holding keys: tokens the model has seen
@@ -192,6 +197,7 @@ class LocalEngine:
         self._cond = threading.Condition()
         self._waiting: list[_Seq] = []
         self._paused = 0  # > 0 while a weight update waits for the running sequences to finish
+        self._swapping = 0  # > 0 while a weight update waits for the next token boundary
         self._thread: threading.Thread | None = None
         self._cohort: Cohort | None = None
         # the decode thread's own, under _weights_lock (held while any sequence runs)
@@ -316,9 +322,12 @@ class LocalEngine:
         with self._paused_engine():
             self._release()
 
-    def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int | None = None) -> int:
-        """Copy `tensors` into the model's weights in place, once no sequence is running; returns their
-        number.
+    def load_weights(
+        self, tensors: Mapping[str, torch.Tensor], version: int | None = None, between_tokens: bool = False
+    ) -> int:
+        """Copy `tensors` into the model's weights in place, once no sequence is running (or, with
+        `between_tokens`, at the next token boundary: running sequences go on with the new weights);
+        returns their number.
 
         Strict, like `load_state_dict`: every name must be a tensor of the model's state dict with the
         same shape, and every tensor of the model must be given (tied weights under any of their names).
@@ -336,7 +345,7 @@ class LocalEngine:
         given = {alias_key(target[name]) for name in tensors}
         if missing := next((n for n, t in target.items() if alias_key(t) not in given), None):
             raise ValueError(f"missing tensor {missing!r}: the weights must cover the whole model")
-        with self._paused_engine(), torch.no_grad():
+        with self._paused_engine(drain=not between_tokens), torch.no_grad():
             for name, t in tensors.items():
                 target[name].copy_(t)
             self._drop_parked()
@@ -376,21 +385,29 @@ class LocalEngine:
             self._start_worker()
 
     @contextlib.contextmanager
-    def _paused_engine(self) -> Iterator[None]:
-        """Hold new sequences back and wait until none is running (for weight updates and freeing)."""
+    def _paused_engine(self, drain: bool = True) -> Iterator[None]:
+        """Hold new sequences back and wait until none is running (`drain`: for freeing memory, and weight
+        updates that keep each response on one version), or only until the current decode step ends."""
         with self._cond:
-            self._paused += 1
+            if drain:
+                self._paused += 1
+            else:
+                self._swapping += 1
         try:
-            with self._weights_lock:  # the decode thread holds it while sequences run
+            with self._weights_lock:  # the decode thread holds it while it steps
                 yield
         finally:
             with self._cond:
-                self._paused -= 1
+                if drain:
+                    self._paused -= 1
+                else:
+                    self._swapping -= 1
                 self._start_worker()
 
     def _start_worker(self) -> None:
         """Start the decode thread if there is work and none runs (the caller holds `_cond`)."""
-        if self._thread is None and self._waiting and not self._paused:
+        busy = self._waiting or self._running  # running: sequences a between-token pause left mid-answer
+        if self._thread is None and busy and not self._paused and not self._swapping:
             self._thread = threading.Thread(target=self._work, name="agent-r1-decode", daemon=True)
             self._thread.start()
 
@@ -401,12 +418,13 @@ class LocalEngine:
         time.sleep(self.batch_wait_s)  # let the other trajectories of a turn arrive and prefill together
         while True:
             with self._cond:
-                if not self._waiting or self._paused:
+                # a drain lets the running sequences finish first; a between-token pause stops here
+                if self._swapping or not (self._waiting or self._running) or (self._paused and not self._running):
                     self._thread = None
                     return
             with self._weights_lock, autocast(self.model), torch.inference_mode():
                 self._step()
-                while self._running:
+                while self._running and not self._swapping:
                     self._step()
 
     def _step(self) -> None:
@@ -746,6 +764,7 @@ class LocalEngine:
         for s, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):  # one copy to the host
             s.out_ids.append(tok)
             s.out_lp.append(lp)
+            s.out_ver.append(self.weights_version)
             stop = s.params.stop
             if not s.emit(tok, lp):
                 s.finish = "abort"
@@ -792,7 +811,7 @@ class LocalEngine:
     def _output(self, s: _Seq) -> GenerateOutput:
         shown = s.out_ids[:-1] if s.finish == "eos" else s.out_ids  # the EOS token is sampled and trained, not shown
         text = self.tokenizer.decode(shown, skip_special_tokens=False)
-        return GenerateOutput(s.out_ids, s.out_lp, text, s.finish, len(s.prompt))
+        return GenerateOutput(s.out_ids, s.out_lp, text, s.finish, len(s.prompt), s.out_ver)
 
 
 def _held(owner: _Seq | _Parked | None) -> int:

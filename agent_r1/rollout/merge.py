@@ -29,7 +29,14 @@ def merge_trajectory(traj: Trajectory) -> list[TrainSequence]:
         row.loss_mask += [0] * n + [1] * r
         row.logprobs += [0.0] * n + step.response_logprobs
         row.step_index += [-1] * n + [step.index] * r
+        row.versions += [-1] * n + [_one_version(step.response_versions)] * r
     return rows
+
+
+def _one_version(versions: list[int] | None) -> int:
+    """The version that sampled every token of a step, -1 if it spans an update (or is not tracked): only a
+    step sampled wholly by one version was computed, prompt included, by exactly those weights."""
+    return versions[0] if versions and min(versions) == max(versions) else -1
 
 
 def merge_trajectories(trajs: list[Trajectory]) -> list[TrainSequence]:

@@ -53,6 +53,7 @@ class Row:
     old_values: torch.Tensor | None = None  # critic values at rollout time (PPO)
     returns: torch.Tensor | None = None  # critic targets (PPO)
     rollout_logp: torch.Tensor | None = None  # the engine's log-probs when old_logp was recomputed (TIS)
+    version: torch.Tensor | None = None  # long: the version that sampled each token's step (-1: none, or several)
     images: list[Image] = field(default_factory=list)  # the images of input_ids' placeholders, in order
     key: torch.Tensor | None = None  # long [T]: input_ids with placeholders as image keys (rows with images)
 

@@ -43,6 +43,10 @@ class RolloutConfig:
     """sampling temperature (the training log-probs use the same one)"""
     top_p: float = 1.0
     """nucleus sampling mass"""
+    max_staleness: int = 0
+    """asynchronous RL: how many policy versions (RL steps) older than the trainer's a trained token may
+    be; rollout then runs continuously beside the update, with partial rollouts. 0 = lockstep (each
+    step rolls out on the current weights, then updates); docs/training.md, Asynchronous RL"""
     max_batch_size: int = 64
     """rows the engine decodes together"""
     kv_cache_gb: float = 4.0
@@ -115,17 +119,19 @@ class AlgoConfig:
     """gigpo: weight omega of the step-group advantage next to the episode one"""
     old_logprobs: Literal["auto", "rollout", "recompute"] = "auto"
     """log-probs of the importance ratio's old policy: the engine's, or recomputed by the trainer (with
-    TIS); auto = recompute unless the trainer's own model sampled them in fp32 (rollout.engine=local)"""
+    TIS); auto = recompute unless the trainer's own model sampled them in fp32 (rollout.engine=local)
+    and in lockstep (rollout.max_staleness=0)"""
     tis_cap: float = 2.0
     """truncated importance sampling: tokens are weighted by min(p_trainer / p_rollout, tis_cap) when
     old log-probs are recomputed (0 = no correction)"""
 
-    def recompute_old_logprobs(self, engine: str, dtype: str) -> bool:
+    def recompute_old_logprobs(self, engine: str, dtype: str, max_staleness: int = 0) -> bool:
         """Whether the trainer recomputes old log-probs: another engine's kernels, or bf16, make the
-        rollout's log-probs differ from the trainer's (docs/algorithms.md, "Off-policy correction")."""
+        rollout's log-probs differ from the trainer's, and under asynchronous RL older policies sampled
+        them (docs/algorithms.md, "Off-policy correction")."""
         if self.old_logprobs != "auto":
             return self.old_logprobs == "recompute"
-        return engine != "local" or dtype != "fp32"
+        return engine != "local" or dtype != "fp32" or max_staleness > 0
 
     def clip_range(self) -> tuple[float, float]:
         """(clip_low, clip_high), each the loss's default when unset: sequence-level ratios sit near 1, so
@@ -272,6 +278,17 @@ class TrainConfig:
                 "rollout.engine=remote already rolls out elsewhere: cluster.rollout_workers must be 0",
             ),
             (self.cluster.retries >= 0, f"cluster.retries must be >= 0, got {self.cluster.retries}"),
+            (r.max_staleness >= 0, f"rollout.max_staleness must be >= 0, got {r.max_staleness}"),
+            (
+                not r.max_staleness or (r.engine == "local" and not self.cluster.rollout_workers),
+                f"rollout.max_staleness={r.max_staleness} needs rollout.engine=local without "
+                "cluster.rollout_workers for now (the others cannot yet take weights between tokens)",
+            ),
+            (
+                not r.max_staleness or a.old_logprobs != "rollout",
+                "rollout.max_staleness > 0 samples with older policies: algo.old_logprobs must be auto or "
+                "recompute (the trainer's log-probs anchor the ratio, the engine's weight it)",
+            ),
         ]
         for ok, message in checks:
             if not ok:

@@ -1,7 +1,9 @@
 """`agent-r1 train`: the RL loop, readable top to bottom.
 
     for each step:
-      1. rollout      AgentEnvLoop over the task's envs and the engine (by default the trainer's own model)
+      1. rollout      AgentEnvLoop over the task's envs and the engine (by default the trainer's own model),
+                      in lockstep; or, with rollout.max_staleness = k > 0, the next groups that a continuous
+                      producer finished, none more than k updates old (rollout/producer.py)
       2. rewards      outcome and process rewards told apart; errored episodes left out of the update
       3. rows         each trajectory merged once; reference log-probs (KL) and critic values (PPO)
       4. advantages   one estimator from agent_r1.algos.advantages, broadcast to sampled tokens
@@ -18,11 +20,13 @@ With the local engine in fp32 the importance ratio uses the rollout log-probs (t
 them with the trainer's own model, weights and temperature), so there is no extra "old log-prob"
 forward pass; the log-prob consistency test is what makes that safe. vLLM, a server or bf16 compute
 have other numerics: the trainer then recomputes the old log-probs and corrects the gap with truncated
-importance sampling (algos/off_policy.py).
+importance sampling (algos/off_policy.py). Asynchronous RL does the same, since older policies (several
+in one batch, even in one episode) sampled the tokens: decoupled PPO (docs/algorithms.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 import time
@@ -52,8 +56,10 @@ from agent_r1.observe.loggers import Loggers
 from agent_r1.observe.plot import plot_metrics, read_metrics
 from agent_r1.observe.records import step_path
 from agent_r1.rollout.agent_loop import AgentEnvLoop, correct, summarize
+from agent_r1.rollout.engine import full_state_dict
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.merge import merge_trajectory
+from agent_r1.rollout.producer import AsyncRollout
 from agent_r1.rollout.remote_engine import RemoteEngine
 from agent_r1.rollout.vllm_engine import VLLMEngine, import_vllm
 from agent_r1.task import resolve_chat
@@ -101,6 +107,8 @@ def train(
         connect_ray(cfg.cluster.address)  # Ray missing or an address that does not answer: one line, now
     if dist.world > 1 and cfg.lora.enabled:
         raise ValueError("lora.enabled under torchrun is not supported yet: train LoRA in one process")
+    if dist.world > 1 and cfg.rollout.max_staleness:
+        raise ValueError("rollout.max_staleness > 0 under torchrun is not supported yet: use it in one process")
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -135,7 +143,7 @@ def train(
         optimizer, lr_schedule(total_updates, cfg.optim.warmup_steps, cfg.optim.schedule)
     )
     engine = _engine(cfg, plain, tokenizer, run_dir, chat_hint is not None)
-    recompute = cfg.algo.recompute_old_logprobs(cfg.rollout.engine, cfg.dtype)
+    recompute = cfg.algo.recompute_old_logprobs(cfg.rollout.engine, cfg.dtype, cfg.rollout.max_staleness)
 
     # --- task: training tasks, the env factory, validation -------------------------------------------
     chat = resolve_chat(cfg.prompt_format, processor, chat_hint)
@@ -151,7 +159,7 @@ def train(
         source = _engine_source(cfg, plain, tokenizer, run_dir, chat_hint is not None)
         workers = RayRollout(cfg.cluster, cfg.rollout, source, tokenizer, make_env, cfg.seed, cfg.dtype)
 
-    start = 0
+    start, meta = 0, None
     if cfg.resume and (meta := resume(run_dir, to_dict(cfg), modules, optimizer, scheduler, RESUMABLE_CHANGES, dist)):
         start, sampler.cursor = meta["step"], meta["cursor"]
         if validator:
@@ -167,28 +175,43 @@ def train(
     history = []
     sync = _weight_sync(dist, policy, plain, engine, workers)
     sync()  # the engines start from the policy being trained (after a resume too)
+    producer = None
+    if cfg.rollout.max_staleness:  # rollout runs on, beside the update, over its own copy of the weights
+        r = cfg.rollout
+        rollout_engine = LocalEngine(
+            merged_copy(plain), tokenizer, max_batch_size=r.max_batch_size, seed=cfg.seed, kv_cache_gb=r.kv_cache_gb
+        )
+        producer = AsyncRollout(
+            rollout_engine, make_env, r.sampling(), sampler, tasks_per_step=r.tasks_per_step,
+            group_size=r.group_size, max_staleness=r.max_staleness, seed=cfg.seed, version=start,
+            pending=(meta or {}).get("async", {}).get("pending", ()),
+        )  # fmt: skip
     if validator and start == 0:  # the starting policy is a candidate too: RL must beat it to be kept
         history.append({"step": 0} | validator(0))
         loggers.log(history[-1], 0)
-    with progress_bar(console) as bar, dist.failure_report() as report:
+    stop_producer = contextlib.closing(producer) if producer else contextlib.nullcontext()
+    with progress_bar(console) as bar, dist.failure_report() as report, stop_producer:
         task_bar = bar.add_task("RL steps", total=cfg.steps, completed=start)
         for step in range(start, cfg.steps):
             t0, report.step = time.perf_counter(), step + 1
 
             # 1. rollout -------------------------------------------------------------------------------
             policy.eval()
-            tasks, seed = sampler.take(cfg.rollout.tasks_per_step), cfg.seed * 1_000_003 + step
-            gather_s = 0.0
-            if cfg.cluster.rollout_workers:  # Ray actors, driven by rank 0
+            gather_s, async_metrics = 0.0, {}
+            if producer:  # asynchronous: the groups it finished, none more than max_staleness updates old
+                trajs, async_metrics = producer.take()
+            elif cfg.cluster.rollout_workers:  # Ray actors, driven by rank 0
+                tasks, seed = sampler.take(cfg.rollout.tasks_per_step), cfg.seed * 1_000_003 + step
                 trajs = dist.broadcast(workers.run(tasks, cfg.rollout.group_size, seed) if workers else None)
             else:  # this process's engine; under torchrun each rank its consecutive share of the tasks
+                tasks, seed = sampler.take(cfg.rollout.tasks_per_step), cfg.seed * 1_000_003 + step
                 start_task, mine = contiguous_shards(tasks, dist.world)[dist.rank]
                 loop = AgentEnvLoop(engine, make_env, cfg.rollout.sampling(), seed=seed)
                 mine = loop.run_sync(mine, cfg.rollout.group_size, first_index=start_task * cfg.rollout.group_size)
                 t_gather = time.perf_counter()
                 trajs = [t for part in dist.gather(mine) for t in part]
                 gather_s = time.perf_counter() - t_gather  # torchrun: the ranks' trajectories to every rank
-            if isinstance(engine, VLLMEngine | LocalEngine):
+            if not producer and isinstance(engine, VLLMEngine | LocalEngine):
                 engine.sleep()  # the engine's KV memory goes to the update (on a GPU, vLLM's until the sync wakes it)
             t1 = time.perf_counter()
 
@@ -219,8 +242,9 @@ def train(
                 kl_in_reward = ref is not None and cfg.algo.kl_mode == "reward"  # then every row's are used
                 need = rows if kl_in_reward else [r for r, keep in zip(rows, trained, strict=True) if keep]
                 off_policy = recompute_old_logprobs(
-                    policy, need, cfg.optim.micro_batch_tokens, cfg.rollout.temperature, dist
-                )
+                    policy, need, cfg.optim.micro_batch_tokens, cfg.rollout.temperature, dist,
+                    version=producer.version if producer else None,
+                )  # fmt: skip
             kl_reward = 0.0
             if ref is not None and cfg.algo.kl_mode == "reward":  # the KL is part of every return
                 fill_ref_logprobs(ref, rows, cfg.optim.micro_batch_tokens, cfg.rollout.temperature, dist)
@@ -257,11 +281,15 @@ def train(
 
             # 6. weight sync: the next rollout samples from the new policy -----------------------------
             transfer = sync() if update["updates"] else {}
+            if producer:  # at the next token boundary: episodes in flight go on with the new weights
+                producer.publish(lambda: full_state_dict(plain))
             t4 = time.perf_counter()
 
             # 7. log, validate, checkpoint -----------------------------------------------------------
             metrics = {"step": step + 1, **_rollout_metrics(trajs), **update, **off_policy, **transfer}
             metrics |= workers.metrics if workers else {}  # Ray: restarts, lost and stale episodes, time
+            if producer:  # how stale the batch was; the trainer's wait for it is its idle time
+                metrics |= async_metrics | {"async/trainer_idle_frac": (t1 - t0) / max(t4 - t0, 1e-9)}
             metrics |= {
                 "trained_episodes": len(train_trajs),
                 "zero_variance_groups": len(zero_var) / max(1, len(set(groups))),
@@ -285,6 +313,7 @@ def train(
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                 best = validator.best if validator else None  # a resumed run keeps its best step
                 extra = {"cursor": sampler.cursor, "config": to_dict(cfg), "best": best, "task": info["task"]}
+                extra |= {"async": producer.state()} if producer else {}  # groups started, not yet trained
                 save_checkpoint(run_dir, step + 1, modules, optimizer, scheduler, extra, cfg.keep_last, dist)
 
     if isinstance(engine, VLLMEngine):

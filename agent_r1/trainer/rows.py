@@ -49,6 +49,7 @@ def build_rows(
                     seg=torch.where(sidx >= 0, seg_base + sidx, -1),
                     images=seq.images,
                     key=image_row_key(seq.input_ids, seq.images, image_token),
+                    version=torch.tensor(seq.versions) if seq.versions else None,
                 )
             )
             owners.append(ti)
@@ -77,14 +78,21 @@ def fill_ref_logprobs(
 
 
 def recompute_old_logprobs(
-    policy: torch.nn.Module, rows: list[Row], micro_batch_tokens: int, temperature: float, dist: Dist = SINGLE
+    policy: torch.nn.Module,
+    rows: list[Row],
+    micro_batch_tokens: int,
+    temperature: float,
+    dist: Dist = SINGLE,
+    version: int | None = None,
 ) -> dict[str, float]:
-    """The trainer's own log-probs of the sampled tokens under the weights that sampled them become the
-    ratio's old log-probs; the engine's move to `row.rollout_logp` (algos/off_policy.py says why).
-    Returns the drift between the two (logprob_drift_mean / _max)."""
+    """The trainer's own log-probs of the sampled tokens under the current weights become the ratio's old
+    (proximal) log-probs; the engine's move to `row.rollout_logp` (algos/off_policy.py says why).
+    Returns the drift between the two (logprob_drift_mean / _max): with `version` (async RL), only over
+    the steps these very weights sampled, so it stays the consistency check and not a staleness measure."""
     for row, logp in zip(rows, row_logprobs(policy, rows, micro_batch_tokens, temperature, dist), strict=True):
         row.rollout_logp, row.old_logp = row.old_logp, logp * row.mask
-    return drift_metrics([r.old_logp for r in rows], [r.rollout_logp for r in rows], [r.mask for r in rows])
+    masks = [r.mask if version is None or r.version is None else r.mask * (r.version == version) for r in rows]
+    return drift_metrics([r.old_logp for r in rows], [r.rollout_logp for r in rows], masks)
 
 
 def apply_tis(rows: list[Row], cap: float) -> dict[str, float]:

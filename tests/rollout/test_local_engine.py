@@ -1,5 +1,7 @@
 import asyncio
+import copy
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -324,3 +326,48 @@ def test_a_full_batch_of_next_turns_keeps_every_parked_slot(tiny_model, tokenize
     outs2 = gen(engine, turn2, max_new_tokens=6, temperature=1.0)
     assert engine.stats["prefilled"] - before["prefilled"] == 4 * (len(tool) + 1)
     assert_logprobs_match_a_plain_forward(tiny_model, turn2, outs2)
+
+
+def test_weights_loaded_between_tokens_reach_a_running_answer_and_each_token_says_which(tokenizer):
+    """Asynchronous RL's partial rollouts: an update lands at a token boundary of an answer in progress.
+    Each token's version says which weights sampled it, and its log-prob is exactly what those weights give
+    over the keys the answer holds: the prompt and the tokens before the switch computed by the old weights
+    (PipelineRL's in-flight update), the rest by the new. A plain forward rebuilds that mix and agrees."""
+    import threading
+
+    from tests.conftest import make_tiny_llama
+
+    old = make_tiny_llama(len(tokenizer), eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id, seed=0)
+    new = make_tiny_llama(len(tokenizer), eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id, seed=7)
+    engine = LocalEngine(copy.deepcopy(old), tokenizer, seed=0, max_context=1024)
+    prompt = tokenizer.encode(SYSTEM + "Count to twenty:")
+    reached, swapped = threading.Event(), []
+
+    def hook(i: int, token: int, logprob: float) -> bool:
+        if len(hook.seen) == 5:  # the decode thread dawdles here, so the update is waiting when it returns
+            reached.set()
+            time.sleep(0.3)
+        hook.seen.append(token)
+        return True
+
+    hook.seen = []
+    updater = threading.Thread(
+        target=lambda: reached.wait(30) and swapped.append(engine.load_weights(new.state_dict(), between_tokens=True))
+    )
+    updater.start()
+    params = SamplingParams(max_new_tokens=24, temperature=1.0)
+    (out,) = engine.generate_batch([prompt], params, seeds=[3], on_token=hook)
+    updater.join()
+    assert swapped and out.finish_reason == "length"  # the answer did not wait for the update to finish
+    assert out.versions == sorted(out.versions) and set(out.versions) == {0, 1}
+    j = out.versions.index(1)  # the first token the new weights sampled
+    assert 5 <= j < len(out.token_ids)
+    ids = torch.tensor([prompt + out.token_ids])
+    with torch.no_grad():
+        before = old(ids[:, : len(prompt) + j - 1], use_cache=True)  # keys and tokens 0 .. j-1: the old weights
+        head = before.logits[0, len(prompt) - 1 :]
+        tail = new(ids[:, len(prompt) + j - 1 :], past_key_values=before.past_key_values).logits[0]  # j .. end
+    logits = torch.cat([head, tail])[: len(out.token_ids)]
+    expected = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4)
+    assert engine.weights_version == 1 and engine.idle
