@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -93,7 +92,6 @@ class AsyncRollout:
         self._error: BaseException | None = None
         self._wake: asyncio.Event | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
-        self._busy_mark = (time.perf_counter(), engine_busy_s(engine))
         self._thread = threading.Thread(target=self._run, name="agent-r1-rollout", daemon=True)
         self._thread.start()
 
@@ -216,12 +214,10 @@ class AsyncRollout:
 
     def _metrics(self, groups: list[Group], dropped: int, errored: int) -> dict[str, float]:
         """How stale the batch is (per token: the trainer's version less the one that sampled it), how
-        many groups were dropped, how many episodes span versions, and how idle the engine was."""
+        many groups were left out, and how many episodes span versions."""
         lags = [self.version - v for g in groups for t in g.trajs for s in t.steps for v in (s.response_versions or ())]
         spans = [len({v for s in t.steps for v in (s.response_versions or ())}) > 1 for g in groups for t in g.trajs]
         group_lags = collections.Counter(self.version - oldest_version(g) for g in groups)
-        now, busy = time.perf_counter(), engine_busy_s(self.engine)
-        (then, was), self._busy_mark = self._busy_mark, (now, busy)
         out = {
             "async/version_lag_mean": sum(lags) / max(1, len(lags)),
             "async/version_lag_max": float(max(lags, default=0)),
@@ -231,10 +227,7 @@ class AsyncRollout:
             "async/episodes_spanning_versions": sum(spans) / max(1, len(spans)),
             "async/buffered_groups": float(len(self._ready)),
         }
-        out |= {f"async/staleness={lag}": n / len(groups) for lag, n in sorted(group_lags.items())}
-        if busy is not None and was is not None:
-            out["async/engine_idle_frac"] = max(0.0, 1.0 - (busy - was) / max(now - then, 1e-9))
-        return out
+        return out | {f"async/staleness={lag}": n / len(groups) for lag, n in sorted(group_lags.items())}
 
 
 def engine_busy_s(engine: Any) -> float | None:

@@ -11,11 +11,11 @@ enforced, and how (docs/reliability.md has the full table):
   wall-clock deadline per call kills the whole process tree past it.
 - **Isolation with bubblewrap** (`isolation="bwrap"`, the default when `bwrap` works here): new
   user, PID, network, IPC and UTS namespaces; the host filesystem read-only and this user's home
-  hidden (the Python installation excepted); the scratch directory the only writable place (mounted
-  at /tmp, also the working directory); a fresh /proc and a minimal /dev; all capabilities dropped;
-  the tree dies with its parent. No network at all (only a private loopback). The way Flatpak
-  sandboxes applications. Under root, a pids cgroup caps the processes (the kernel exempts root
-  from RLIMIT_NPROC).
+  hidden (the Python installation, wherever it lives, mounted back read-only); the scratch directory
+  the only writable place (mounted at /tmp, also the working directory); a fresh /proc and a minimal
+  /dev; all capabilities dropped; the tree dies with its parent. No network at all (only a private
+  loopback). The way Flatpak sandboxes applications. Under root, a pids cgroup caps the processes
+  (the kernel exempts root from RLIMIT_NPROC).
 - **Not enforced**: a system-call filter (no seccomp profile: the kernel surface is that of an
   unprivileged user namespace); the total size of the scratch directory (each file is limited, their
   sum is not); with `isolation="none"` (no bwrap) there is no network or filesystem isolation at all,

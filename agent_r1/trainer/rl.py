@@ -59,7 +59,7 @@ from agent_r1.rollout.agent_loop import AgentEnvLoop, correct, summarize
 from agent_r1.rollout.engine import full_state_dict
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.merge import merge_trajectory
-from agent_r1.rollout.producer import AsyncRollout
+from agent_r1.rollout.producer import AsyncRollout, engine_busy_s
 from agent_r1.rollout.remote_engine import RemoteEngine
 from agent_r1.rollout.vllm_engine import VLLMEngine, import_vllm
 from agent_r1.task import resolve_chat
@@ -192,8 +192,10 @@ def train(
     stop_producer = contextlib.closing(producer) if producer else contextlib.nullcontext()
     with progress_bar(console) as bar, dist.failure_report() as report, stop_producer:
         task_bar = bar.add_task("RL steps", total=cfg.steps, completed=start)
+        rollout_engine = producer.engine if producer else engine
         for step in range(start, cfg.steps):
             t0, report.step = time.perf_counter(), step + 1
+            busy = engine_busy_s(rollout_engine)  # seconds of forward passes so far (engines that count them)
 
             # 1. rollout -------------------------------------------------------------------------------
             policy.eval()
@@ -288,8 +290,10 @@ def train(
             # 7. log, validate, checkpoint -----------------------------------------------------------
             metrics = {"step": step + 1, **_rollout_metrics(trajs), **update, **off_policy, **transfer}
             metrics |= workers.metrics if workers else {}  # Ray: restarts, lost and stale episodes, time
-            if producer:  # how stale the batch was; the trainer's wait for it is its idle time
-                metrics |= async_metrics | {"async/trainer_idle_frac": (t1 - t0) / max(t4 - t0, 1e-9)}
+            metrics |= async_metrics  # asynchronous: how stale the batch was, what was left out
+            metrics["time/trainer_idle_frac"] = (t1 - t0) / max(t4 - t0, 1e-9)  # waiting for trajectories
+            if busy is not None:
+                metrics["time/engine_idle_frac"] = 1 - (engine_busy_s(rollout_engine) - busy) / max(t4 - t0, 1e-9)
             metrics |= {
                 "trained_episodes": len(train_trajs),
                 "zero_variance_groups": len(zero_var) / max(1, len(set(groups))),
@@ -313,7 +317,9 @@ def train(
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                 best = validator.best if validator else None  # a resumed run keeps its best step
                 extra = {"cursor": sampler.cursor, "config": to_dict(cfg), "best": best, "task": info["task"]}
-                extra |= {"async": producer.state()} if producer else {}  # groups started, not yet trained
+                if producer:  # the position it will start next, and the groups started but not yet trained
+                    state = producer.state()  # one snapshot: the cursor and the pending groups agree
+                    extra |= {"cursor": state["cursor"], "async": state}
                 save_checkpoint(run_dir, step + 1, modules, optimizer, scheduler, extra, cfg.keep_last, dist)
 
     if isinstance(engine, VLLMEngine):

@@ -28,7 +28,7 @@ def test_async_grpo_learns_with_bounded_staleness_and_a_corrected_ratio(tmp_path
     for h in hist:
         assert h["async/version_lag_max"] <= 1 and h["updates"] >= 1
         assert sum(v for k, v in h.items() if k.startswith("async/staleness=")) == pytest.approx(1.0)
-        assert 0.0 <= h["async/trainer_idle_frac"] <= 1.0 and 0.0 <= h["async/engine_idle_frac"] <= 1.0
+        assert 0.0 <= h["time/trainer_idle_frac"] <= 1.0 and h["time/engine_idle_frac"] <= 1.0
     # the producer ran ahead: later batches were sampled, at least in part, by the previous version, and
     # the trainer recomputed the proximal log-probs and weighted them (decoupled PPO with truncated IS)
     assert any(h["async/version_lag_mean"] > 0 for h in hist[1:])
