@@ -178,11 +178,11 @@ def train(
     producer = None
     if cfg.rollout.max_staleness:  # rollout runs on, beside the update, over its own copy of the weights
         r = cfg.rollout
-        rollout_engine = LocalEngine(
+        own = LocalEngine(
             merged_copy(plain), tokenizer, max_batch_size=r.max_batch_size, seed=cfg.seed, kv_cache_gb=r.kv_cache_gb
         )
         producer = AsyncRollout(
-            rollout_engine, make_env, r.sampling(), sampler, tasks_per_step=r.tasks_per_step,
+            own, make_env, r.sampling(), sampler, tasks_per_step=r.tasks_per_step,
             group_size=r.group_size, max_staleness=r.max_staleness, seed=cfg.seed, version=start,
             pending=(meta or {}).get("async", {}).get("pending", ()),
         )  # fmt: skip
