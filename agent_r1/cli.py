@@ -3,7 +3,8 @@
 Every command takes an optional YAML config and `key=value` overrides into its one typed config.
 `--key value` (and a bare `--flag` for a boolean) is the same as `key=value`, for the commands people
 type by hand (`agent-r1 chat --model DIR --tools calculator,echo`). Bad input (unknown key, missing
-model, unreadable data) ends with one line naming what is wrong.
+model, unreadable data) ends with one line naming what is wrong. Third-party progress bars (transformers'
+weight loading and shard writing) are hidden unless `--verbose` is given, anywhere on the line.
 """
 
 from __future__ import annotations
@@ -49,7 +50,11 @@ POSITIONAL = {"export": "checkpoint", "view": "run_dir", "plot": "run_dir"}
 
 def main(argv: list[str] | None = None) -> int:
     fix_mmap_threshold()  # long CPU runs otherwise fragment the heap (agent_r1/utils/malloc.py)
-    parser = argparse.ArgumentParser(prog="agent-r1", description="RL for multi-turn, tool-using LLM agents")
+    parser = argparse.ArgumentParser(
+        prog="agent-r1",
+        description="RL for multi-turn, tool-using LLM agents",
+        epilog="--verbose (anywhere): show third-party progress bars (weight loading, shard writing)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (cls, _, help_text) in COMMANDS.items():
         p = sub.add_parser(
@@ -60,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         p.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value")
     argv = sys.argv[1:] if argv is None else argv
+    verbose = "--verbose" in argv  # third-party progress bars (weights loading, shards) only when asked
+    argv = [a for a in argv if a != "--verbose"]
+    quiet_third_party(not verbose)
     if argv and argv[0] in COMMANDS:
         argv = [argv[0], *flags_to_overrides(COMMANDS[argv[0]][0], argv[1:])]
     ns = parser.parse_args(argv)
@@ -85,6 +93,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"agent-r1 {ns.command}: stopped: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def quiet_third_party(quiet: bool) -> None:
+    """Hide (or show again) the progress bars of transformers ("Loading weights", "Writing model shards",
+    GGUF de-quantizing) and of huggingface_hub: our commands show their own progress."""
+    import huggingface_hub.utils as hub
+    from transformers.utils import logging as hf_logging
+
+    if quiet:
+        hf_logging.disable_progress_bar()
+        hub.disable_progress_bars()
+    else:
+        hf_logging.enable_progress_bar()
+        hub.enable_progress_bars()
 
 
 def flags_to_overrides(cls: type, args: list[str]) -> list[str]:

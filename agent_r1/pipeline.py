@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from agent_r1.evaluate import EvalConfig, run_eval
@@ -88,19 +89,43 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, dict[
     plot_metrics(history, root / "curves.png", title=title)
     summary = {"results": results, "seconds": timings, "rl_selected": selected}
     (root / "results.json").write_text(json.dumps(summary, indent=1))
-    console.print(results_table(results))
+    print_results(console, results)
     console.print(f"curves: {root / 'curves.png'}   trained policy: {root / 'rl' / 'policy'}")
     return results
 
 
 def results_table(results: dict[str, dict[str, float]]) -> Table:
+    """The demo's results, whole: no cell is cut (a log file is an 80-column console); two-word headers
+    take two lines. `print_results` falls back to plain lines where even that does not fit."""
     table = Table(title="held-out accuracy: before / after SFT / after RL")
     kinds = sorted({k for m in results.values() for k in m if k.startswith("accuracy/")})  # e.g. accuracy/ops=2
-    per_kind_columns = (k.removeprefix("accuracy/") for k in kinds)
-    for col in ("model", "accuracy", *per_kind_columns, "tool calls", "format errors", "turns"):
-        table.add_column(col, justify="right")
+    per_kind_columns = [k.removeprefix("accuracy/") for k in kinds]
+    for col in ("model", "accuracy", *per_kind_columns, "tool\ncalls", "format\nerrors", "turns"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for name, row in _result_rows(results, kinds):
+        table.add_row(name, *row)
+    return table
+
+
+def print_results(console: Console, results: dict[str, dict[str, float]]) -> None:
+    """The results table, or, on a console too narrow for it, each model's results one per line."""
+    table = results_table(results)
+    if Measurement.get(console, console.options.update_width(10**4), table).maximum <= console.width:  # uncut
+        console.print(table)
+        return
+    kinds = sorted({k for m in results.values() for k in m if k.startswith("accuracy/")})
+    heads = ["accuracy", *(k.removeprefix("accuracy/") for k in kinds), "tool calls", "format errors", "turns"]
+    console.print("held-out accuracy: before / after SFT / after RL")
+    for name, row in _result_rows(results, kinds):
+        console.print(f"{name}:")
+        for head, value in zip(heads, row, strict=True):
+            console.print(f"  {head} {value}")
+
+
+def _result_rows(results: dict[str, dict[str, float]], kinds: list[str]) -> list[tuple[str, list[str]]]:
+    rows = []
     for name, m in results.items():
         per_kind = [f"{m[k]:.1%}" if k in m else "" for k in kinds]
-        usage = (f"{m['tool_calls']:.2f}", f"{m['format_errors']:.2f}", f"{m['turns']:.2f}")
-        table.add_row(name, f"{m['accuracy']:.1%}", *per_kind, *usage)
-    return table
+        usage = [f"{m['tool_calls']:.2f}", f"{m['format_errors']:.2f}", f"{m['turns']:.2f}"]
+        rows.append((name, [f"{m['accuracy']:.1%}", *per_kind, *usage]))
+    return rows

