@@ -8,7 +8,7 @@ Token ids in, token ids + log-probs out: text is derived, never the source of tr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agent_r1.models.lora import merged_copy
 
@@ -75,3 +75,9 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def alias_key(t: torch.Tensor) -> tuple:
     """Equal for tensors that are the same memory (tied weights such as embed_tokens and lm_head)."""
     return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride()
+
+
+def engine_busy_s(engine: Any) -> float | None:
+    """Seconds the engine has spent in forward passes, for engines that count them (LocalEngine)."""
+    stats = getattr(engine, "stats", None)
+    return stats["prefill_s"] + stats["decode_s"] if stats else None

@@ -36,7 +36,7 @@ from agent_r1.rollout.agent_loop import AgentEnvLoop
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.types import Termination, Trajectory
 
-STALL_GROUPS = 4  # steps' worth of groups in a row whose every episode errored: the run stops
+STALL_GROUPS = 4  # steps' worth of groups in a row left out (all errored, or too stale): the run stops
 
 
 class RolloutStalled(RuntimeError):
@@ -234,9 +234,3 @@ class AsyncRollout:
             "async/buffered_groups": float(len(self._ready)),
         }
         return out | {f"async/staleness={lag}": n / len(groups) for lag, n in sorted(group_lags.items())}
-
-
-def engine_busy_s(engine: Any) -> float | None:
-    """Seconds the engine has spent in forward passes, for engines that count them (LocalEngine)."""
-    stats = getattr(engine, "stats", None)
-    return stats["prefill_s"] + stats["decode_s"] if stats else None

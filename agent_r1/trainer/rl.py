@@ -56,10 +56,10 @@ from agent_r1.observe.loggers import Loggers
 from agent_r1.observe.plot import plot_metrics, read_metrics
 from agent_r1.observe.records import step_path
 from agent_r1.rollout.agent_loop import AgentEnvLoop, correct, summarize
-from agent_r1.rollout.engine import full_state_dict
+from agent_r1.rollout.engine import engine_busy_s, full_state_dict
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.merge import merge_trajectory
-from agent_r1.rollout.producer import AsyncRollout, engine_busy_s
+from agent_r1.rollout.producer import AsyncRollout
 from agent_r1.rollout.remote_engine import RemoteEngine
 from agent_r1.rollout.vllm_engine import VLLMEngine, import_vllm
 from agent_r1.task import resolve_chat

@@ -7,6 +7,8 @@ token-exact by construction.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from transformers import LlamaForCausalLM
 
@@ -42,6 +44,28 @@ class LowIdEnv:
 
 
 TASKS = [{"ids": [10 + i, 50, 51]} for i in range(16)]
+
+
+class Killed(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def killed_after_logging(monkeypatch, step: int):
+    """The run dies right after it logged `step` (a kill between checkpoints); the logger is whole again after."""
+    import agent_r1.observe.loggers as loggers
+
+    real_log = loggers.Loggers.log
+
+    def log_then_die(self, metrics, logged):
+        real_log(self, metrics, logged)
+        if logged == step:
+            raise Killed
+
+    monkeypatch.setattr(loggers.Loggers, "log", log_then_die)
+    with pytest.raises(Killed):
+        yield
+    monkeypatch.setattr(loggers.Loggers, "log", real_log)
 
 
 def tiny_model(seed: int = 0) -> LlamaForCausalLM:

@@ -13,7 +13,7 @@ from agent_r1.data.sampler import TaskSampler
 from agent_r1.observe.records import read_records, step_files
 from agent_r1.trainer.checkpoint import latest_checkpoint
 from agent_r1.trainer.rl import train
-from tests.trainer.conftest import TASKS, LowIdEnv, tiny_model, toy_config
+from tests.trainer.conftest import TASKS, LowIdEnv, killed_after_logging, tiny_model, toy_config
 
 
 def run(cfg, tokenizer, env=LowIdEnv, tasks=TASKS):
@@ -43,30 +43,15 @@ def test_lockstep_never_starts_a_producer(tmp_path, tokenizer, monkeypatch):
     assert not any(k.startswith("async/") or k.startswith("tis_") for h in hist for k in h)
 
 
-class Killed(Exception):
-    pass
-
-
 def test_a_kill_between_checkpoints_resumes_with_no_step_or_group_lost_or_trained_twice(
     tmp_path, tokenizer, monkeypatch
 ):
     """Checkpoints at steps 2 and 4; the run dies after step 5 was logged. The resumed run redoes step 5
     from the step-4 checkpoint, whose producer state names the groups started but not trained: they are
     rolled out again, first. Which task each group has, and its seeds, follow from its position."""
-    import agent_r1.observe.loggers as loggers
-
     cfg = ("steps=6", "save_every=2", "rollout.max_staleness=1", "rollout.tasks_per_step=2")
-    real_log = loggers.Loggers.log
-
-    def log_then_die(self, metrics, step):
-        real_log(self, metrics, step)
-        if step == 5:
-            raise Killed
-
-    monkeypatch.setattr(loggers.Loggers, "log", log_then_die)
-    with pytest.raises(Killed):
+    with killed_after_logging(monkeypatch, 5):
         run(toy_config(tmp_path, *cfg), tokenizer)
-    monkeypatch.setattr(loggers.Loggers, "log", real_log)
     meta = json.loads((latest_checkpoint(tmp_path / "run") / "meta.json").read_text())
     pending = meta["async"]["pending"]
     assert meta["step"] == 4 and pending and max(pending) < meta["cursor"]

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from agent_r1.trainer.checkpoint import latest_checkpoint
 from agent_r1.trainer.rl import train
 from agent_r1.types import Observation
-from tests.trainer.conftest import TASKS, LowIdEnv, tiny_model, toy_config
+from tests.trainer.conftest import TASKS, LowIdEnv, killed_after_logging, tiny_model, toy_config
 
 
 def run(cfg, tokenizer, model=None, env=LowIdEnv):
@@ -340,32 +340,17 @@ def test_training_refuses_greedy_sampling_and_gspo_gets_its_own_clip_range(tmp_p
     assert toy_config(tmp_path).algo.clip_low is None  # unset stays unset: a saved config can switch loss
 
 
-class Killed(Exception):
-    pass
-
-
 def test_a_kill_between_checkpoints_resumes_without_duplicates_and_keeps_best_and_policy_in_step(
     tmp_path, tokenizer, monkeypatch
 ):
     """Checkpoints at steps 2 and 4; the run dies right after step 3 was logged and validated (a new best
     exported to policy/). The resumed run redoes step 3 from the step-2 checkpoint."""
-    import agent_r1.observe.loggers as loggers
-
     scripted_validation(monkeypatch, [0.1] * 5)
     straight, _ = run(val_config(tmp_path / "a", "steps=4", "save_every=2"), tokenizer)
 
     scripted_validation(monkeypatch, [0.1, 0.2, 0.3, 0.9])
-    real_log = loggers.Loggers.log
-
-    def log_then_die(self, metrics, step):
-        real_log(self, metrics, step)
-        if step == 3:
-            raise Killed
-
-    monkeypatch.setattr(loggers.Loggers, "log", log_then_die)
-    with pytest.raises(Killed):
+    with killed_after_logging(monkeypatch, 3):
         run(val_config(tmp_path / "b", "steps=4", "save_every=2"), tokenizer)
-    monkeypatch.setattr(loggers.Loggers, "log", real_log)
     scripted_validation(monkeypatch, [0.25, 0.5])  # the redone step 3 validates worse this time
     resumed, hist = run(val_config(tmp_path / "b", "steps=4", "save_every=2"), tokenizer)
 
