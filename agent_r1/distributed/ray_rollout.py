@@ -13,20 +13,31 @@
 3. after the optimizer step, puts the new weights in Ray's object store once (`ray.put`) and has
    every worker load them with the new version number (LocalEngine's and VLLMEngine's `load_weights`).
 
+Asynchronous RL (`rollout.max_staleness > 0`) uses the same workers differently: the producer
+(rollout/producer.py) sends one task group at a time (`run_group`) to the least busy worker, whose
+engine batches it with the other groups it is running, and after each update the workers load the new
+weights between two tokens (`load_weights(..., between_tokens=True)`): episodes in flight go on, each
+token keeping the version that sampled it. The workers are async actors for this, so a weight load
+and many groups run at once in one worker.
+
 A worker that dies mid-rollout (a crashed env, a killed process, a lost node) is restarted by Ray
-(`max_restarts`), reloads the current weights and rolls its shard out again, `cluster.retries` times;
-after that its episodes count as errors and the run goes on. The search task's index can run as one
-more actor (`cluster.retrieval_actor`), so workers share one index instead of building one each.
+(`max_restarts`), reloads the current weights and rolls its shard (or group) out again,
+`cluster.retries` times; after that its episodes count as errors and the run goes on. The search
+task's index can run as one more actor (`cluster.retrieval_actor`), so workers share one index
+instead of building one each.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import pickle
 import socket
+import threading
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlparse
 
@@ -79,8 +90,9 @@ def connect_ray(address: str = "", num_cpus: int | None = None) -> Any:
 
 
 class RolloutWorker:
-    """One Ray actor: an engine and the task's envs. Calls to one actor run one at a time, so a weight
-    load never lands in the middle of a rollout."""
+    """One Ray actor: an engine and the task's envs. An async actor: its calls run concurrently on one
+    event loop, so a lockstep shard, asynchronous RL's groups and a weight load can overlap (a lockstep
+    weight load waits for the running sequences, `between_tokens` does not)."""
 
     def __init__(
         self, model: str | torch.nn.Module, tokenizer: Any, make_env: Any, engine: str, options: dict[str, Any]
@@ -102,16 +114,24 @@ class RolloutWorker:
             kv_cache_gb=options["kv_cache_gb"],
         )  # fmt: skip
 
-    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
-        return self.engine.load_weights(state, version)
+    async def load_weights(self, state: dict[str, torch.Tensor], version: int, between_tokens: bool = False) -> int:
+        # in a thread: the engine's decode thread delivers tokens to this event loop while the load waits for it
+        return await asyncio.to_thread(self.engine.load_weights, state, version, between_tokens=between_tokens)
 
-    def rollout(
+    async def rollout(
         self, tasks: list[dict[str, Any]], group_size: int, sampling: SamplingParams, seed: int, first_index: int
     ) -> tuple[int, list[Trajectory]]:
         """(the weights version sampled under, the trajectories of `tasks` x `group_size`)."""
         version = self.engine.weights_version
         loop = AgentEnvLoop(self.engine, self.make_env, sampling, seed=seed)
-        return version, loop.run_sync(tasks, group_size, first_index)
+        return version, await loop.run(tasks, group_size, first_index)
+
+    async def rollout_group(
+        self, task: dict[str, Any], group_size: int, sampling: SamplingParams, seed: int, first_index: int
+    ) -> list[Trajectory]:
+        """One task group for asynchronous RL, batched with the others this worker runs (no cohort)."""
+        loop = AgentEnvLoop(self.engine, self.make_env, sampling, seed=seed)
+        return await loop.run([task], group_size, first_index, cohort=False)
 
     def pid(self) -> int:
         return os.getpid()
@@ -135,9 +155,12 @@ class RayRollout:
         self.ray = connect_ray(cluster.address)
         self.retries = cluster.retries
         self.sampling = rollout.sampling()
+        self.seed = seed
         self.version = 0
         self._weights: Any = None  # the newest weights in Ray's object store (a restarted worker reloads them)
         self.metrics: dict[str, float] = {}
+        self._lock = threading.Lock()  # asynchronous RL counts failures in the producer's thread
+        self._load: list[int] = []  # groups running on each worker (asynchronous RL)
         self._dead: set[int] = set()  # workers whose shard was given up on
         self._retrieval = None
         if cluster.retrieval_actor:
@@ -158,18 +181,63 @@ class RayRollout:
         # there: Ray restarts a dead worker from them (ray-project/ray#53727)
         self._args = [self.ray.put(x) for x in (model, tokenizer, make_env, rollout.engine, options)]
         self.actors = [actor.remote(*self._args) for _ in range(cluster.rollout_workers)]
+        self._load = [0] * len(self.actors)
 
     def sync_weights(self, model: torch.nn.Module) -> dict[str, float]:
         """Every worker loads `model`'s weights as the next version; returns the bytes and seconds."""
+        return self.load_weights(full_state_dict(model), self.version + 1)
+
+    def load_weights(
+        self, state: Mapping[str, torch.Tensor], version: int, between_tokens: bool = False
+    ) -> dict[str, float]:
+        """Every worker loads `state` as `version` (with `between_tokens`, at its next token boundary);
+        returns the bytes and seconds. A worker that is dead or restarting gets them when it is revived."""
         t0 = time.perf_counter()
         # every name, tied ones too: vLLM redoes a layer's post-load processing (its CPU repacking of the
         # LM head) only for weights it is given
-        state = {k: v.detach().to("cpu", copy=True) for k, v in full_state_dict(model).items()}
-        self._weights = self.ray.put(state)
-        self.version += 1
-        self.ray.get([a.load_weights.remote(self._weights, self.version) for a in self.actors])
+        state = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+        self._weights, self.version = self.ray.put(state), version
+        calls = [a.load_weights.remote(self._weights, version, between_tokens) for a in self.actors]
+        for k, call in enumerate(calls):
+            try:
+                self.ray.get(call)
+            except (self.ray.exceptions.RayActorError, self.ray.exceptions.ActorUnavailableError):
+                self._dead.add(k)  # revived with these weights before its next rollout
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         return {"ray/weights_mb": nbytes / 2**20, "time/ray_weights": time.perf_counter() - t0}
+
+    async def run_group(self, task: dict[str, Any], group_size: int, first_index: int) -> list[Trajectory]:
+        """Asynchronous RL: one task group on the least busy worker. A worker that dies is revived (with
+        the current weights) and the group runs again, `cluster.retries` times; then its episodes are
+        errors, which the producer leaves out."""
+        why = ""
+        for attempt in range(self.retries + 1):
+            k = min(range(len(self.actors)), key=self._load.__getitem__)
+            self._load[k] += 1
+            try:
+                if k in self._dead:  # it missed a weight load: back, with the current weights, first
+                    self._dead.discard(k)
+                    await asyncio.to_thread(self._revive, self.actors[k])
+                call = self.actors[k].rollout_group.remote(task, group_size, self.sampling, self.seed, first_index)
+                return await call
+            except self.ray.exceptions.RayActorError as exc:
+                why = f"rollout worker {k} died: {str(exc).splitlines()[0][:200]}"
+                self._count("ray/restarts" if attempt == 0 else "ray/retries")
+                await asyncio.to_thread(self._revive, self.actors[k])
+            finally:
+                self._load[k] -= 1
+        self._count("ray/lost_episodes", group_size)
+        return _errored([task], group_size, why)
+
+    def take_metrics(self) -> dict[str, float]:
+        """The metrics since the last call (lockstep: the last `run`'s; asynchronous: the groups' failures)."""
+        with self._lock:
+            out, self.metrics = self.metrics, {}
+        return out
+
+    def _count(self, key: str, n: float = 1) -> None:
+        with self._lock:
+            self.metrics[key] = self.metrics.get(key, 0.0) + n
 
     def run(self, tasks: list[dict[str, Any]], group_size: int, seed: int) -> list[Trajectory]:
         """The trajectories of `tasks` x `group_size`, in task order, as one AgentEnvLoop would give them."""

@@ -307,6 +307,15 @@ class LocalEngine:
         with self._cond:
             return self._thread is None
 
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        """Wait for the decode thread to exit (cancelled rows are freed at its next step). Call it before
+        the interpreter exits: a daemon thread still in a forward pass then aborts the process
+        ("terminate called without an active exception"). Returns whether the engine went idle."""
+        deadline = time.monotonic() + timeout
+        while not self.idle and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.idle
+
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Sample from `model`'s current weights. When it is the engine's own model (the trainer and the
         engine share one object) there is nothing to copy, but the kept keys were computed with the

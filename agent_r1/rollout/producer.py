@@ -15,6 +15,10 @@ task group at a time, and puts each finished group into a buffer that the traine
   therefore span versions: the trainer corrects for that per token (decoupled PPO, docs/algorithms.md).
 - **Seeds by task position**: group n is the n-th task of the sampler's order and its trajectories
   are seeded from n, so a resumed run re-runs exactly the groups it had not trained (`state`).
+- **Where groups run**: `EngineGroups` runs them in this process over any engine that loads weights
+  between tokens (`LocalEngine`, `VLLMEngine`, `RemoteEngine`); `RayRollout` (distributed/ray_rollout.py)
+  runs each on one of its Ray workers. Both have `run_group` and `load_weights`; the producer needs
+  nothing else. Under torchrun the producer lives on rank 0, which broadcasts what it takes.
 
 `rollout.max_staleness = 0` never gets here: the trainer rolls out each step's tasks itself, in
 lockstep, exactly as before.
@@ -25,16 +29,47 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from agent_r1.data.sampler import TaskSampler
 from agent_r1.env.base import Env
 from agent_r1.rollout.agent_loop import AgentEnvLoop
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.types import Termination, Trajectory
+
+
+class GroupRunner(Protocol):
+    """Where the producer's groups run: this process's engine (`EngineGroups`) or Ray workers."""
+
+    async def run_group(self, task: dict[str, Any], group_size: int, first_index: int) -> list[Trajectory]:
+        """The task's `group_size` trajectories, seeded by their indices from `first_index`."""
+        ...
+
+    def load_weights(self, state: Mapping[str, Any], version: int, between_tokens: bool = False) -> Any:
+        """The engine(s) sample from `state` as `version` (episodes in flight go on, with `between_tokens`)."""
+        ...
+
+
+class EngineGroups:
+    """Groups rolled out over one engine in this process, with the task's envs."""
+
+    def __init__(self, engine: Any, make_env: Callable[[], Env], sampling: SamplingParams, seed: int) -> None:
+        self.engine = engine
+        self.loop = AgentEnvLoop(engine, make_env, sampling, seed=seed)
+
+    async def run_group(self, task: dict[str, Any], group_size: int, first_index: int) -> list[Trajectory]:
+        # cohort=False: a LocalEngine batches this group with whatever else is running, not with itself alone
+        return await self.loop.run([task], group_size, first_index=first_index, cohort=False)
+
+    def load_weights(self, state: Mapping[str, Any], version: int, between_tokens: bool = False) -> Any:
+        return self.engine.load_weights(state, version=version, between_tokens=between_tokens)
+
+    def close(self) -> None:
+        if hasattr(self.engine, "wait_idle"):
+            self.engine.wait_idle()  # a decode thread in a forward pass at interpreter exit aborts the process
+
 
 STALL_GROUPS = 4  # steps' worth of groups in a row left out (all errored, or too stale): the run stops
 
@@ -63,24 +98,20 @@ class AsyncRollout:
 
     def __init__(
         self,
-        engine: Any,
-        make_env: Callable[[], Env],
-        sampling: SamplingParams,
+        runner: GroupRunner,
         sampler: TaskSampler,
         *,
         tasks_per_step: int,
         group_size: int,
         max_staleness: int,
-        seed: int,
         version: int = 0,
         pending: Iterable[int] = (),
     ) -> None:
-        self.engine = engine
-        self.loop = AgentEnvLoop(engine, make_env, sampling, seed=seed)
+        """`runner`'s engines must already sample from the trainer's weights as `version` (RL steps done)."""
+        self.runner = runner
         self.sampler = sampler
         self.tasks_per_step, self.group_size, self.max_staleness = tasks_per_step, group_size, max_staleness
         self.version = version  # the trainer's policy version: RL steps whose update the engine has
-        engine.weights_version = version  # the engine starts with the trainer's weights (a resumed run's too)
         self._redo = collections.deque(sorted(pending))  # positions a resumed run must still roll out
         self._started = version * tasks_per_step  # groups started (a resumed run's trained ones count)
         self._dropped = 0  # groups dropped as too stale
@@ -143,7 +174,7 @@ class AsyncRollout:
         """The update of step `version + 1` is done: its weights go into the engine at the next token
         boundary (in-flight episodes continue on them), then the producer may start that step's groups."""
         self.version += 1
-        self.engine.load_weights(weights(), version=self.version, between_tokens=True)
+        self.runner.load_weights(weights(), self.version, between_tokens=True)
         self._notify_producer()
 
     def state(self) -> dict[str, Any]:
@@ -159,11 +190,8 @@ class AsyncRollout:
             self._stop = True
         self._notify_producer()
         self._thread.join(timeout=60)
-        # The engine frees the cancelled rows at its next step and its decode thread ends; wait for that, since
-        # a thread still in a forward pass when the interpreter exits aborts the process.
-        deadline = time.monotonic() + 60
-        while not getattr(self.engine, "idle", True) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        if hasattr(self.runner, "close"):
+            self.runner.close()
 
     # --- the producer thread --------------------------------------------------------------------
 
@@ -209,7 +237,7 @@ class AsyncRollout:
 
     async def _group(self, position: int, version: int) -> None:
         task = self.sampler.at(position)
-        trajs = await self.loop.run([task], self.group_size, first_index=position * self.group_size, cohort=False)
+        trajs = await self.runner.run_group(task, self.group_size, position * self.group_size)
         with self._cond:
             self._ready.append(Group(position, trajs, version))
             self._cond.notify_all()

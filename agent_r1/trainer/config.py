@@ -280,11 +280,6 @@ class TrainConfig:
             (self.cluster.retries >= 0, f"cluster.retries must be >= 0, got {self.cluster.retries}"),
             (r.max_staleness >= 0, f"rollout.max_staleness must be >= 0, got {r.max_staleness}"),
             (
-                not r.max_staleness or (r.engine == "local" and not self.cluster.rollout_workers),
-                f"rollout.max_staleness={r.max_staleness} needs rollout.engine=local without "
-                "cluster.rollout_workers for now (the others cannot yet take weights between tokens)",
-            ),
-            (
                 not r.max_staleness or a.old_logprobs != "rollout",
                 "rollout.max_staleness > 0 samples with older policies: algo.old_logprobs must be auto or "
                 "recompute (the trainer's log-probs anchor the ratio, the engine's weight it)",

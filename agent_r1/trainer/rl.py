@@ -59,7 +59,7 @@ from agent_r1.rollout.agent_loop import AgentEnvLoop, correct, summarize
 from agent_r1.rollout.engine import engine_busy_s, full_state_dict
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.merge import merge_trajectory
-from agent_r1.rollout.producer import AsyncRollout
+from agent_r1.rollout.producer import AsyncRollout, EngineGroups, GroupRunner, RolloutStalled
 from agent_r1.rollout.remote_engine import RemoteEngine
 from agent_r1.rollout.vllm_engine import VLLMEngine, import_vllm
 from agent_r1.task import resolve_chat
@@ -107,8 +107,6 @@ def train(
         connect_ray(cfg.cluster.address)  # Ray missing or an address that does not answer: one line, now
     if dist.world > 1 and cfg.lora.enabled:
         raise ValueError("lora.enabled under torchrun is not supported yet: train LoRA in one process")
-    if dist.world > 1 and cfg.rollout.max_staleness:
-        raise ValueError("rollout.max_staleness > 0 under torchrun is not supported yet: use it in one process")
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -173,18 +171,18 @@ def train(
         # the trend checks compare with the run's first steps, not with the first ones since the resume
         health.history = [m for m in read_metrics(run_dir) if m.get("step", 0) >= 1]
     history = []
-    sync = _weight_sync(dist, policy, plain, engine, workers)
+    lockstep = not cfg.rollout.max_staleness
+    runner = None if lockstep or not dist.main else _group_runner(cfg, engine, workers, plain, tokenizer, make_env)
+    shared = runner and getattr(runner, "engine", None) is engine  # the producer's engine is the validator's
+    sync = _weight_sync(dist, policy, plain, None if shared else engine, workers if lockstep else None)
     sync()  # the engines start from the policy being trained (after a resume too)
     producer = None
-    if cfg.rollout.max_staleness:  # rollout runs on, beside the update, over its own copy of the weights
+    if runner:  # rollout runs on beside the update; rank 0's producer under torchrun
+        runner.load_weights(full_state_dict(plain), start)  # its engines start from the trainer's weights
         r = cfg.rollout
-        own = LocalEngine(
-            merged_copy(plain), tokenizer, max_batch_size=r.max_batch_size, seed=cfg.seed, kv_cache_gb=r.kv_cache_gb
-        )
         producer = AsyncRollout(
-            own, make_env, r.sampling(), sampler, tasks_per_step=r.tasks_per_step,
-            group_size=r.group_size, max_staleness=r.max_staleness, seed=cfg.seed, version=start,
-            pending=(meta or {}).get("async", {}).get("pending", ()),
+            runner, sampler, tasks_per_step=r.tasks_per_step, group_size=r.group_size,
+            max_staleness=r.max_staleness, version=start, pending=(meta or {}).get("async", {}).get("pending", ()),
         )  # fmt: skip
     if validator and start == 0:  # the starting policy is a candidate too: RL must beat it to be kept
         history.append({"step": 0} | validator(0))
@@ -192,7 +190,7 @@ def train(
     stop_producer = contextlib.closing(producer) if producer else contextlib.nullcontext()
     with progress_bar(console) as bar, dist.failure_report() as report, stop_producer:
         task_bar = bar.add_task("RL steps", total=cfg.steps, completed=start)
-        rollout_engine = producer.engine if producer else engine
+        rollout_engine = getattr(producer.runner, "engine", None) if producer else engine
         for step in range(start, cfg.steps):
             t0, report.step = time.perf_counter(), step + 1
             busy = engine_busy_s(rollout_engine)  # seconds of forward passes so far (engines that count them)
@@ -200,8 +198,8 @@ def train(
             # 1. rollout -------------------------------------------------------------------------------
             policy.eval()
             gather_s, async_metrics = 0.0, {}
-            if producer:  # asynchronous: the groups it finished, none more than max_staleness updates old
-                trajs, async_metrics = producer.take()
+            if not lockstep:  # asynchronous: the groups the producer finished, none more than k updates old
+                trajs, async_metrics = _take(producer, dist)
             elif cfg.cluster.rollout_workers:  # Ray actors, driven by rank 0
                 tasks, seed = sampler.take(cfg.rollout.tasks_per_step), cfg.seed * 1_000_003 + step
                 trajs = dist.broadcast(workers.run(tasks, cfg.rollout.group_size, seed) if workers else None)
@@ -213,7 +211,7 @@ def train(
                 t_gather = time.perf_counter()
                 trajs = [t for part in dist.gather(mine) for t in part]
                 gather_s = time.perf_counter() - t_gather  # torchrun: the ranks' trajectories to every rank
-            if not producer and isinstance(engine, VLLMEngine | LocalEngine):
+            if lockstep and isinstance(engine, VLLMEngine | LocalEngine):
                 engine.sleep()  # the engine's KV memory goes to the update (on a GPU, vLLM's until the sync wakes it)
             t1 = time.perf_counter()
 
@@ -245,7 +243,7 @@ def train(
                 need = rows if kl_in_reward else [r for r, keep in zip(rows, trained, strict=True) if keep]
                 off_policy = recompute_old_logprobs(
                     policy, need, cfg.optim.micro_batch_tokens, cfg.rollout.temperature, dist,
-                    version=producer.version if producer else None,
+                    version=None if lockstep else step,  # the trainer's version: RL steps done
                 )  # fmt: skip
             kl_reward = 0.0
             if ref is not None and cfg.algo.kl_mode == "reward":  # the KL is part of every return
@@ -289,7 +287,7 @@ def train(
 
             # 7. log, validate, checkpoint -----------------------------------------------------------
             metrics = {"step": step + 1, **_rollout_metrics(trajs), **update, **off_policy, **transfer}
-            metrics |= workers.metrics if workers else {}  # Ray: restarts, lost and stale episodes, time
+            metrics |= workers.take_metrics() if workers else {}  # Ray: restarts, lost and stale episodes, time
             metrics |= async_metrics  # asynchronous: how stale the batch was, what was left out
             metrics["time/trainer_idle_frac"] = (t1 - t0) / max(t4 - t0, 1e-9)  # waiting for trajectories
             if busy is not None:
@@ -339,7 +337,7 @@ def train(
 
 
 def _weight_sync(
-    dist: Dist, policy: torch.nn.Module, plain: torch.nn.Module, engine: Any, workers: RayRollout | None
+    dist: Dist, policy: torch.nn.Module, plain: torch.nn.Module, engine: Any | None, workers: RayRollout | None
 ) -> Callable[[], dict[str, float]]:
     """After an update: FSDP2's shards gathered into the unsharded model (torchrun), then the engine and
     the Ray workers given its weights. Returns what the transfer to the workers cost."""
@@ -347,10 +345,38 @@ def _weight_sync(
     def sync() -> dict[str, float]:
         if dist.world > 1:
             fsdp.copy_full_weights(policy, plain)
-        engine.sync_weights(plain)  # a no-op for a local engine over `plain` itself
+        if engine is not None:  # asynchronous RL's engines get the weights from the producer instead
+            engine.sync_weights(plain)  # a no-op for a local engine over `plain` itself
         return workers.sync_weights(plain) if workers else {}
 
     return sync
+
+
+def _group_runner(
+    cfg: TrainConfig, engine: Any, workers: RayRollout | None, plain: torch.nn.Module, tokenizer: Any, make_env: Any
+) -> GroupRunner:
+    """Where asynchronous RL's groups run: the Ray workers; the vLLM engine or the server; or, for the
+    local engine, a LocalEngine over a copy of the weights (the trainer updates its own in place)."""
+    if workers:
+        return workers
+    if cfg.rollout.engine != "local":
+        return EngineGroups(engine, make_env, cfg.rollout.sampling(), cfg.seed)
+    r = cfg.rollout
+    own = merged_copy(plain)
+    engine = LocalEngine(own, tokenizer, max_batch_size=r.max_batch_size, seed=cfg.seed, kv_cache_gb=r.kv_cache_gb)
+    return EngineGroups(engine, make_env, r.sampling(), cfg.seed)
+
+
+def _take(producer: AsyncRollout | None, dist: Dist) -> tuple[list[Trajectory], dict[str, float]]:
+    """The producer's next batch (rank 0's, broadcast under torchrun); a stalled producer stops every rank."""
+    try:
+        out: Any = producer.take() if producer else None
+    except RolloutStalled as exc:
+        out = exc
+    out = dist.broadcast(out)
+    if isinstance(out, RolloutStalled):
+        raise out
+    return out
 
 
 def _engine(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, run_dir: Path, from_config: bool):
@@ -365,7 +391,8 @@ def _engine(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, run_dir: 
     if r.engine == "vllm":
         cuda = model_device(policy).type == "cuda"
         path = _engine_source(cfg, policy, tokenizer, run_dir, from_config)
-        return VLLMEngine(path, sleep=r.vllm.sleep and cuda, **r.vllm_options(cfg.dtype, cfg.seed))
+        sleep = r.vllm.sleep and cuda and not r.max_staleness  # asynchronous: it rolls out during the update
+        return VLLMEngine(path, sleep=sleep, **r.vllm_options(cfg.dtype, cfg.seed))
     return LocalEngine(policy, tokenizer, max_batch_size=r.max_batch_size, seed=cfg.seed, kv_cache_gb=r.kv_cache_gb)
 
 

@@ -3,6 +3,7 @@ stale shards detected, a worker killed mid-rollout retried or counted as errors.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from agent_r1.distributed.ray_rollout import RayRollout, connect_ray
@@ -197,3 +199,85 @@ def test_a_vllm_worker_samples_from_the_weights_of_every_step(local_ray, tmp_pat
     assert all(h["updates"] == 1 and h["termination/error"] == 0 for h in hist)
     assert all(h["logprob_drift_mean"] < 1e-3 for h in hist), [h["logprob_drift_mean"] for h in hist]
     assert hist[0]["ray/weights_mb"] == pytest.approx(sum(t.numel() for t in model.state_dict().values()) * 4 / 2**20)
+
+
+class ToolWaitEnv(LowIdEnv):
+    """LowIdEnv whose first tool call takes 2 s and marks, when it starts, that a first turn is sampled."""
+
+    def __init__(self, flag: str) -> None:
+        super().__init__()
+        self.flag = flag
+
+    async def step(self, action):
+        if self.turn == 0:
+            Path(self.flag).touch()
+            await asyncio.sleep(2.0)
+        return await super().step(action)
+
+
+class ToolWait(Signalling):
+    def __call__(self) -> ToolWaitEnv:
+        return ToolWaitEnv(self.flag)
+
+
+def sampled_logprobs(model, step) -> list[float]:
+    """log-softmax at temperature 1 of the step's sampled ids under `model`, computed directly."""
+    ids = torch.tensor([step.prompt_ids + step.response_ids])
+    with torch.no_grad():
+        logp = model(ids).logits[0, len(step.prompt_ids) - 1 : -1].log_softmax(-1)
+    return logp.gather(-1, torch.tensor(step.response_ids)[:, None])[:, 0].tolist()
+
+
+def test_async_groups_run_on_the_workers_and_weights_reach_episodes_in_flight(local_ray, tokenizer, tmp_path):
+    """Asynchronous RL over Ray: each group goes to a worker; weights loaded while the groups' tools run
+    sample their second turns (the new version, and the new model's log-probs), the first turns keep theirs."""
+    model, other, flag = tiny_model(seed=0), tiny_model(seed=1), tmp_path / "first-turns"
+    pool = workers(model, tokenizer, make_env=ToolWait(str(flag)))  # version 1: `model`
+
+    async def rollout():
+        groups = [asyncio.create_task(pool.run_group(TASKS[i], 2, 2 * i)) for i in range(4)]
+        while not flag.exists():
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(pool.load_weights, other.state_dict(), 2, True)
+        return [t for g in await asyncio.gather(*groups) for t in g]
+
+    try:
+        trajs = asyncio.run(rollout())
+    finally:
+        pool.shutdown()
+    assert len(trajs) == 8 and not any(t.termination == Termination.ERROR for t in trajs), trajs[0].error
+    spanning = [t for t in trajs if [set(s.response_versions) for s in t.steps] == [{1}, {2}]]
+    assert spanning  # at least the episode that raised the flag: its tool ran across the load
+    for t in spanning:
+        first, second = t.steps
+        assert first.response_logprobs == pytest.approx(sampled_logprobs(model, first), abs=1e-4)
+        assert second.response_logprobs == pytest.approx(sampled_logprobs(other, second), abs=1e-4)
+    assert all(v in (1, 2) for t in trajs for s in t.steps for v in s.response_versions)
+
+
+def test_a_worker_killed_under_async_is_revived_and_its_group_rolled_out_again(local_ray, tokenizer, tmp_path):
+    model, flag = tiny_model(seed=0), tmp_path / "rolling"
+    pool = workers(model, tokenizer, make_env=Signalling(str(flag)), retries=1)
+    try:
+        pids = pool.worker_pids()
+        killer = _kill_when(flag, pids[0])  # the least busy worker gets the first group: worker 0
+        trajs = asyncio.run(pool.run_group(TASKS[0], 2, 0))
+        killer.join()
+        metrics = pool.take_metrics()
+    finally:
+        pool.shutdown()
+    assert len(trajs) == 2 and not any(t.termination == Termination.ERROR for t in trajs), trajs[0].error
+    assert metrics == {"ray/restarts": 1.0} and pool.take_metrics() == {}
+
+
+def test_async_training_with_ray_workers(local_ray, tmp_path, tokenizer):
+    """rollout.max_staleness=1 with cluster.rollout_workers=2: the producer's groups run on the workers,
+    which get each update's weights; nothing is more than one update old."""
+    from agent_r1.trainer.rl import train
+    from tests.trainer.conftest import toy_config
+
+    cfg = toy_config(tmp_path, "steps=4", "cluster.rollout_workers=2", "rollout.max_staleness=1")
+    hist = train(cfg, model=tiny_model(seed=0), tokenizer=tokenizer, make_env=LowIdEnv, tasks=TASKS)
+    assert [h["step"] for h in hist] == [1, 2, 3, 4]
+    assert all(h["async/version_lag_max"] <= 1 and h["trained_episodes"] == 16 and h["updates"] == 1 for h in hist)
+    assert any(h["async/version_lag_mean"] > 0 for h in hist[1:])  # the workers ran ahead of the update

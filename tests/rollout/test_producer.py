@@ -12,7 +12,7 @@ from agent_r1.data.sampler import TaskSampler
 from agent_r1.env.base import StepResult
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
-from agent_r1.rollout.producer import AsyncRollout, RolloutStalled
+from agent_r1.rollout.producer import AsyncRollout, EngineGroups, RolloutStalled
 from agent_r1.types import Observation, Termination
 from tests.trainer.conftest import tiny_model
 
@@ -39,9 +39,10 @@ def producer(tokenizer, tasks, k=1, tps=2, version=0, pending=(), cursor=0):
     sampler = TaskSampler(tasks, seed=0)
     sampler.cursor = cursor  # as a checkpoint left it: set before the producer starts drawing
     params = SamplingParams(max_new_tokens=4, temperature=1.0)
+    engine.weights_version = version  # the trainer's weights, as the trainer loads them before it starts
     source = AsyncRollout(
-        engine, SlowToolEnv, params, sampler, tasks_per_step=tps, group_size=2, max_staleness=k, seed=0,
-        version=version, pending=pending,
+        EngineGroups(engine, SlowToolEnv, params, seed=0), sampler, tasks_per_step=tps, group_size=2,
+        max_staleness=k, version=version, pending=pending,
     )  # fmt: skip
     return source, model
 
