@@ -24,7 +24,11 @@ it to `step_k`. Each kill waits for the boundary where its target phase starts, 
 of that phase's length in the uninterrupted run, and, once the process is dead, the directory says
 which phase it was really in.
 
-    python benchmarks/chaos_train.py [--kills 20] [--steps 10] [--seed 0] [--out runs/chaos]
+With `--max-staleness k` the run is asynchronous (rollout.max_staleness=k): the resumed run cannot
+equal the uninterrupted one then (which groups make a step depends on timing), so it is checked for
+what must still hold, and for every step training whole groups with no task trained twice.
+
+    python benchmarks/chaos_train.py [--kills 20] [--steps 10] [--seed 0] [--out runs/chaos] [--max-staleness 1]
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ def make_model(out: Path) -> Path:
     return out
 
 
-def train_command(model_dir: Path, run_dir: Path, steps: int, seed: int) -> list[str]:
+def train_command(model_dir: Path, run_dir: Path, steps: int, seed: int, max_staleness: int = 0) -> list[str]:
     """`agent-r1 train` on the calculator task, a few seconds a run: 2 tasks x 4 samples of <= 24
     tokens per step, a checkpoint every step. The random model never earns a reward, so the groups
     are kept (`zero_variance_groups=keep`) and the entropy bonus is what the update follows. The
@@ -97,7 +101,7 @@ def train_command(model_dir: Path, run_dir: Path, steps: int, seed: int) -> list
         "device=cpu", "save_every=1", "keep_last=2", "task.few_shot=false",
         "rollout.tasks_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=24", "rollout.max_turns=2",
         "algo.zero_variance_groups=keep", "algo.entropy_coef=0.01", "optim.lr=1e-3",
-        "health.window=1", "health.format_error_rise=-1",
+        "health.window=1", "health.format_error_rise=-1", f"rollout.max_staleness={max_staleness}",
     ]  # fmt: skip
 
 
@@ -458,6 +462,20 @@ def check_trajectories(run_dir: Path, straight_dir: Path, steps: int) -> dict[st
     return out
 
 
+def check_groups(run_dir: Path, steps: int) -> dict[str, list]:
+    """Asynchronous RL: each step trained `tasks_per_step` (2) whole groups, and no task twice, however
+    the kills fell (a resumed producer re-runs the groups the checkpoint had not trained, no others)."""
+    from agent_r1.observe.records import read_records, step_path
+
+    tasks: Counter = Counter()
+    short = []
+    for k in range(1, steps + 1):
+        groups = {r["group_id"]: json.dumps(r["task"], sort_keys=True) for r in read_records(step_path(run_dir, k))}
+        short += [k] if len(groups) != 2 else []
+        tasks.update(groups.values())
+    return {"steps_without_2_groups": short, "tasks_trained_twice": [t for t, n in tasks.items() if n > 1]}
+
+
 def max_abs_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     """Largest |a - b| over same-named tensors; inf when the names differ."""
     if set(a) != set(b):
@@ -483,9 +501,16 @@ def compare_final(run_dir: Path, straight_dir: Path, steps: int) -> dict[str, fl
 # --- the whole experiment -------------------------------------------------------------------------
 
 
-def run_chaos(out: Path, kills: int, steps: int, seed: int, reach: float = 0.9) -> dict[str, Any]:
+def run_chaos(
+    out: Path, kills: int, steps: int, seed: int, reach: float = 0.9, max_staleness: int = 0
+) -> dict[str, Any]:
     """Model, uninterrupted run, chaos run, checks; the summary as a dict (also written as JSON).
-    A smaller `reach` aims the kills earlier in their phases, so fewer land in the next one."""
+    A smaller `reach` aims the kills earlier in their phases, so fewer land in the next one.
+
+    With `max_staleness` > 0 (asynchronous RL) which groups make a step, and which version sampled
+    each token, depend on timing, so the resumed run cannot equal the uninterrupted one: it is held to
+    the rest (newest checkpoint, at most one step redone, nothing corrupt, every step logged once)
+    and to `check_groups`."""
     t_start = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     if any(out.iterdir()):
@@ -494,9 +519,10 @@ def run_chaos(out: Path, kills: int, steps: int, seed: int, reach: float = 0.9) 
     logs.mkdir()
     model_dir = make_model(out / "model")
     straight, chaotic = out / "straight", out / "chaos"
-    tl = timeline(train_command(model_dir, straight, steps, seed), straight, steps, logs / "straight.log")
+    straight_cmd, chaos_cmd = (train_command(model_dir, d, steps, seed, max_staleness) for d in (straight, chaotic))
+    tl = timeline(straight_cmd, straight, steps, logs / "straight.log")
     lengths = phase_lengths(tl, read_lines(straight))
-    run = Setup(train_command(model_dir, chaotic, steps, seed), chaotic, model_dir, steps)
+    run = Setup(chaos_cmd, chaotic, model_dir, steps)
     done, last_s = chaos(run, logs, kills, lengths, random.Random(seed), reach)
     summary = {
         "command": " ".join(sys.argv),
@@ -511,6 +537,8 @@ def run_chaos(out: Path, kills: int, steps: int, seed: int, reach: float = 0.9) 
         "metrics": check_metrics(chaotic, straight, steps),
         "trajectories": check_trajectories(chaotic, straight, steps),
         "max_abs_diff": compare_final(chaotic, straight, steps),
+        "max_staleness": max_staleness,
+        "groups": check_groups(chaotic, steps),
         "phase_lengths_s": lengths,
         "uninterrupted_s": tl["total_s"],
         "last_resume_s": last_s,
@@ -541,6 +569,7 @@ def print_summary(s: dict[str, Any]) -> None:
     t = s["trajectories"]
     print(f"trajectory records: unreadable {t['unreadable']}, differ {t['differ_from_uninterrupted']}")
     print(f"max |delta| vs the uninterrupted run: {s['max_abs_diff']}")
+    print(f"groups (rollout.max_staleness={s['max_staleness']}): {s['groups']}")
     print(f"uninterrupted run {s['uninterrupted_s']:.1f} s; total {s['total_s']:.1f} s")
 
 
@@ -554,10 +583,15 @@ def failures(s: dict[str, Any], kills: int) -> list[str]:
         "no corrupt checkpoint": s["corrupt_checkpoints"] == 0,
         "no half-written checkpoint left": s["tmp_dirs_at_end"] == 0,
         "no duplicated or missing metrics line": not m["duplicated"] and not m["missing"],
-        "metrics equal the uninterrupted run's": not m["differ_from_uninterrupted"],
-        "trajectory records whole and equal": not any(s["trajectories"].values()),
-        "final weights and AdamW state equal": all(v <= 1e-6 for v in s["max_abs_diff"].values()),
+        "trajectory records whole": not s["trajectories"]["unreadable"],
+        "every step trained 2 groups, no task twice": not any(s["groups"].values()),
     }
+    if not s["max_staleness"]:  # lockstep is deterministic: the resumed run is the uninterrupted one
+        checks |= {
+            "metrics equal the uninterrupted run's": not m["differ_from_uninterrupted"],
+            "trajectory records equal": not s["trajectories"]["differ_from_uninterrupted"],
+            "final weights and AdamW state equal": all(v <= 1e-6 for v in s["max_abs_diff"].values()),
+        }
     return [name for name, ok in checks.items() if not ok]
 
 
@@ -567,8 +601,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="RL steps of the run")
     parser.add_argument("--seed", type=int, default=0, help="seed of the run and of the kill times")
     parser.add_argument("--out", type=Path, default=Path("runs/chaos"), help="a new or empty directory")
+    parser.add_argument("--max-staleness", type=int, default=0, help="rollout.max_staleness (asynchronous RL)")
     args = parser.parse_args()
-    summary = run_chaos(args.out, args.kills, args.steps, args.seed)
+    summary = run_chaos(args.out, args.kills, args.steps, args.seed, max_staleness=args.max_staleness)
     print_summary(summary)
     failed = failures(summary, args.kills)
     print("\nALL CHECKS PASSED" if not failed else f"\nFAILED: {failed}")
