@@ -13,16 +13,24 @@ Log-probs: `agent-r1 serve` returns log-softmax(logits / temperature), the quant
 recomputes. vLLM returns the raw model's by default; start it with `--logprobs-mode processed_logprobs`
 to get the same quantity.
 
-Weight sync: `sync_weights(model)` writes the model's full weights (LoRA merged) as safetensors under
-`sync_dir`, which must be on a filesystem the server reads, under the same path, and has the server
-load them with its own mechanism:
-- `agent-r1 serve`: `POST /v1/load_weights` (strict; swaps between batches under a lock);
+Weight sync: `load_weights(state, version, between_tokens)` (and `sync_weights(model)`, which loads
+the model's full state) writes the weights as safetensors under `sync_dir`, which must be on a
+filesystem the server reads, under the same path, and has the server load them with its own mechanism:
+- `agent-r1 serve`: `POST /v1/load_weights` (strict; swaps between batches under a lock, or with
+  `between_tokens` at the next token boundary);
 - `vllm serve` (started with `VLLM_SERVER_DEV_MODE=1`, which exposes its RL endpoints): `/pause?mode=wait`
-  (running requests finish, the prefix cache is dropped), `/collective_rpc` `reload_weights` from the
-  directory (vLLM's in-place reload), `/update_weight_version`, `/resume`.
-Version check: the engine remembers the version it last pushed and reads the server's after every
-`generate` call; a server that serves other weights, or whose weights changed while the
-call ran, is an error, so a rollout never mixes two policies silently.
+  (running requests finish), or with `between_tokens` `/pause?mode=keep` (running requests freeze where
+  they are and go on with the new weights: the cleared cache makes vLLM recompute their keys on them);
+  then `/collective_rpc` `reload_weights` from the directory (vLLM's in-place reload),
+  `/update_weight_version`, `/resume`. The prefix cache is dropped either way.
+Versions: every `GenerateOutput.versions` says which weights sampled each token. `agent-r1 serve`
+reports them (`token_versions`); for vLLM, which does not, every token gets the version that was
+current when the request was sent: conservative, since a token can only be that old or newer.
+Version check: the engine reads the server's version after every `generate` call. It must be the one
+current when the call began, so a rollout never mixes two policies silently; once partial rollouts
+are on (`load_weights(..., between_tokens=True)`), any version this engine pushed since, including one
+whose load is still in flight, is fine too. A version this engine never pushed (another client changed
+the weights) is always an error.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -76,6 +85,8 @@ class RemoteEngine:
         self.sync_dir = sync_dir
         self.is_vllm = card.get("owned_by") == "vllm"
         self.weights_version = 0  # the version of the last weights the server accepted from this engine
+        self.partial_rollouts = False  # set by load_weights(between_tokens=True): responses may span versions
+        self._newest = 0  # the newest version sent: weights_version, or one the server is loading right now
         self._synced = False  # before the first sync the server's own weights are the policy
         self._token_texts: dict[int, str] = {}  # EOS token id -> its text (vLLM servers)
 
@@ -88,11 +99,15 @@ class RemoteEngine:
         if images and any(images):
             raise ValueError("a remote engine does not take images yet: use rollout.engine=local for a VLM")
         client = self._client()
-        outs = list(await asyncio.gather(*(self._one(client, p, params, i) for i, p in enumerate(prompts))))
-        await self._check_version(client)
+        start = self.weights_version
+        outs = list(await asyncio.gather(*(self._one(client, p, params, i, start) for i, p in enumerate(prompts))))
+        await self._check_version(client, start)
         return outs
 
-    async def _check_version(self, client: httpx.AsyncClient) -> None:
+    async def _check_version(self, client: httpx.AsyncClient, start: int) -> None:
+        """The server must serve `start`, the version current when the call began, or with partial
+        rollouts any version pushed since: `_newest` is set before a load is posted, so a load in flight
+        on another thread (the server switched, `weights_version` not yet updated) is no error."""
         if not self._synced:
             return
         path = f"{self.root}/weight_info" if self.is_vllm else f"{self.base_url}/models"
@@ -103,47 +118,77 @@ class RemoteEngine:
             raise RemoteEngineError(f"{self.base_url}: {type(exc).__name__}: {exc}") from exc
         body = r.json()
         served = body.get("weight_version") if self.is_vllm else _card(body, self.model).get("weights_version")
-        if str(served) != str(self.weights_version):
+        newest = self._newest if self.partial_rollouts else start
+        if not start <= _as_int(served, default=-1) <= newest:
+            pushed = str(start) if newest == start else f"{start}..{newest}"
             raise RemoteEngineError(
-                f"{self.root} serves weights version {served}, not {self.weights_version} (the last this trainer "
-                "pushed): another client changed them, so this rollout would mix two policies"
+                f"{self.root} serves weights version {served}, not {pushed} (what this trainer pushed): "
+                "another client changed them, so this rollout would mix two policies"
             )
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Have the server sample from `model`'s current weights (once per RL step, after the update).
+        """Have the server sample from `model`'s current weights (once per RL step, after the update),
+        LoRA merged, under the plain model's names, as the next version."""
+        self.load_weights(full_state_dict(model))
 
-        Writes them (LoRA merged, under the plain model's names, tied weights under each name) to
-        `<sync_dir>/weights/model.safetensors` through a temporary file and a rename, so the server never
-        reads a half-written file, then has the server load them as the next version (module docstring)."""
+    def load_weights(
+        self, state: Mapping[str, torch.Tensor], version: int | None = None, between_tokens: bool = False
+    ) -> int:
+        """Have the server sample from `state` (every weight, under the plain model's names) as `version`
+        (default: the last + 1); returns the number of tensors, once the server uses them.
+
+        `between_tokens`: running requests are not waited for; they go on with the new weights (partial
+        rollouts), and from then on `generate` accepts responses that span versions (module docstring).
+        The weights go to `<sync_dir>/weights/model.safetensors` through a temporary file and a rename,
+        so the server never reads a half-written file."""
         if self.sync_dir is None:
             raise ValueError("weight sync needs sync_dir: a directory the server can read (RemoteEngine(sync_dir=...))")
+        version = self.weights_version + 1 if version is None else version
+        if self._synced and version <= self.weights_version:  # the first load may say which version it is
+            raise ValueError(f"weights version {version} is not newer than {self.weights_version}, the last pushed")
+        folder, path, count = self._write(state)
+        self.partial_rollouts |= between_tokens
+        self._newest = version  # before the post: a generate that ends while it is in flight may see it
+        try:
+            self._load(folder, path, version, between_tokens)
+        except BaseException:
+            self._newest = self.weights_version
+            raise
+        self.weights_version, self._synced = version, True
+        return count
+
+    def _write(self, state: Mapping[str, torch.Tensor]) -> tuple[str, str, int]:
+        """(folder, file, tensors): `state` written atomically where the server reads it."""
         from safetensors.torch import save_file
 
-        version = self.weights_version + 1
         folder = os.path.join(os.path.abspath(self.sync_dir), "weights")  # vLLM reloads every file of a folder
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, "model.safetensors")
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.sync_dir + "/"), prefix=".weights-", suffix=".tmp")
         os.close(fd)
         try:
-            save_file(_unaliased(full_state_dict(model)), tmp)
+            tensors = _unaliased(state)
+            save_file(tensors, tmp)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
-        if self.is_vllm:
-            self._post(f"{self.root}/pause", params={"mode": "wait", "clear_cache": "true"})
-            try:
-                rpc = {"method": "reload_weights", "kwargs": {"weights_path": folder}}
-                self._post(f"{self.root}/collective_rpc", json=rpc)
-                self._post(f"{self.root}/update_weight_version", json={"new_version": str(version)})
-            finally:
-                self._post(f"{self.root}/resume")
-        else:
-            version = int(
-                self._post(f"{self.base_url}/load_weights", json={"path": path, "version": version})["version"]
-            )
-        self.weights_version, self._synced = version, True
+        return folder, path, len(tensors)
+
+    def _load(self, folder: str, path: str, version: int, between_tokens: bool) -> None:
+        """Have the server load the written weights as `version` (module docstring: how, per server)."""
+        if not self.is_vllm:
+            body = {"path": path, "version": version, "between_tokens": between_tokens}
+            self._post(f"{self.base_url}/load_weights", json=body)
+            return
+        mode = "keep" if between_tokens else "wait"
+        self._post(f"{self.root}/pause", params={"mode": mode, "clear_cache": "true"})
+        try:
+            rpc = {"method": "reload_weights", "kwargs": {"weights_path": folder}}
+            self._post(f"{self.root}/collective_rpc", json=rpc)
+            self._post(f"{self.root}/update_weight_version", json={"new_version": str(version)})
+        finally:
+            self._post(f"{self.root}/resume")
 
     def _post(self, url: str, **kw: Any) -> dict[str, Any]:
         try:
@@ -185,7 +230,7 @@ class RemoteEngine:
         return body
 
     async def _one(
-        self, client: httpx.AsyncClient, prompt: list[int], params: SamplingParams, i: int
+        self, client: httpx.AsyncClient, prompt: list[int], params: SamplingParams, i: int, version: int
     ) -> GenerateOutput:
         try:
             r = await client.post("/completions", json=self.request_body(prompt, params, i))
@@ -193,7 +238,7 @@ class RemoteEngine:
             raise RemoteEngineError(f"{self.base_url}: {type(exc).__name__}: {exc}") from exc
         if r.status_code != 200:
             raise RemoteEngineError(f"{self.base_url} answered {r.status_code}: {_error_message(r)}")
-        out = parse_choice(r.json()["choices"][0], len(prompt))
+        out = parse_choice(r.json()["choices"][0], len(prompt), version)
         if self.is_vllm and out.finish_reason == "eos":  # vLLM's text ends in the EOS token's; ours never does
             out.text = out.text.removesuffix(await self._token_text(client, out.token_ids[-1]))
         return out
@@ -229,9 +274,10 @@ class RemoteEngine:
         return _card(r.json(), model, self.base_url)
 
 
-def parse_choice(choice: dict[str, Any], prompt_len: int) -> GenerateOutput:
+def parse_choice(choice: dict[str, Any], prompt_len: int, version: int) -> GenerateOutput:
     """A `/v1/completions` choice -> GenerateOutput. vLLM reports EOS as finish_reason "stop" with no
-    stop_reason (a stop token id, e.g. a second EOS, as an int); a stop string as that string."""
+    stop_reason (a stop token id, e.g. a second EOS, as an int); a stop string as that string. Each
+    token's version is the server's `token_versions`, else `version`, the one current at the request."""
     logprobs = choice.get("logprobs") or {}
     ids = choice.get("token_ids")
     if ids is None:  # older vLLM: only "token_id:N" strings
@@ -239,6 +285,10 @@ def parse_choice(choice: dict[str, Any], prompt_len: int) -> GenerateOutput:
     token_logprobs = [float(x) if x is not None else 0.0 for x in logprobs.get("token_logprobs") or []]
     if len(token_logprobs) != len(ids):
         raise RemoteEngineError(f"the server returned {len(ids)} token ids but {len(token_logprobs)} log-probs")
+    versions = choice.get("token_versions")
+    versions = [version] * len(ids) if versions is None else [int(v) for v in versions]
+    if len(versions) != len(ids):
+        raise RemoteEngineError(f"the server returned {len(ids)} token ids but {len(versions)} token versions")
     finish, stop_reason = choice.get("finish_reason"), choice.get("stop_reason")
     if finish == "length":
         reason = "length"
@@ -246,7 +296,7 @@ def parse_choice(choice: dict[str, Any], prompt_len: int) -> GenerateOutput:
         reason = "stop" if isinstance(stop_reason, str) else "eos"
     else:
         raise RemoteEngineError(f"unexpected finish_reason {finish!r}")
-    return GenerateOutput(list(ids), token_logprobs, choice.get("text", ""), reason, prompt_len)
+    return GenerateOutput(list(ids), token_logprobs, choice.get("text", ""), reason, prompt_len, versions)
 
 
 def _card(listing: dict[str, Any], model: str | None, url: str = "") -> dict[str, Any]:
@@ -258,7 +308,15 @@ def _card(listing: dict[str, Any], model: str | None, url: str = "") -> dict[str
     raise RemoteEngineError(f"{url} does not serve {model!r}: it serves {[c.get('id') for c in cards]}")
 
 
-def _unaliased(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _as_int(value: Any, default: int) -> int:
+    """A version as the server reports it (vLLM: a string, or None before any update) as an int."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def _unaliased(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Contiguous tensors, each memory under one name only (safetensors refuses shared tensors): a tied
     weight such as lm_head.weight = embed_tokens.weight is written twice, as a copy, because vLLM's
     in-place reload leaves a layer it is given no weights for unloaded."""

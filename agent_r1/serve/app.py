@@ -6,7 +6,10 @@
 * `/v1/completions` takes token ids and returns token ids and log-probs (vLLM's field names), so
   `RemoteEngine` can drive it exactly like vLLM.
 * `/v1/load_weights` swaps in new weights from a safetensors file between two batches (the engine's
-  weight lock), so a trainer pushes its policy after every optimizer step (`RemoteEngine.sync_weights`).
+  weight lock), so a trainer pushes its policy after every optimizer step (`RemoteEngine.sync_weights`);
+  with `between_tokens` at the next token boundary instead, running requests going on with the new
+  weights (asynchronous RL's partial rollouts). Choices that return `token_ids` also return
+  `token_versions`, the weights version that sampled each token, so a client sees which came from which.
 
 Every request goes through the engine's queue, so concurrent requests are decoded as one batch. Each
 has a deadline, and a client that goes away (or times out) cancels its generation: the engine drops
@@ -148,7 +151,7 @@ class _API:
             choice["logprobs"] = {"content": [self._token_logprob(t, lp) for t, lp in pairs]}
         response = head | {"object": "chat.completion", "choices": [choice], "usage": _usage([prompt], [out])}
         if body.return_token_ids:
-            choice["token_ids"] = out.token_ids
+            choice |= {"token_ids": out.token_ids, "token_versions": out.versions}
             response["prompt_token_ids"] = prompt
         return response
 
@@ -173,14 +176,14 @@ class _API:
         return head | {"object": "text_completion", "choices": choices, "usage": _usage(rows, outs)}
 
     async def load_weights(self, body: LoadWeightsRequest) -> dict[str, Any]:
-        """Read the file, then copy it in between two batches: a 400 names the first bad tensor, and
-        refused weights leave the served ones untouched."""
+        """Read the file, then copy it in between two batches (`between_tokens`: at the next token
+        boundary): a 400 names the first bad tensor, and refused weights leave the served ones untouched."""
         if not self.s.allow_weight_updates:
             raise APIError(403, "weight updates are off: start agent-r1 serve with allow_weight_updates=true")
         async with self._loading:
             tensors = await asyncio.to_thread(_read_safetensors, body.path)
             try:
-                loaded = await asyncio.to_thread(self.s.engine.load_weights, tensors, body.version)
+                loaded = await asyncio.to_thread(self.s.engine.load_weights, tensors, body.version, body.between_tokens)
             except ValueError as exc:
                 raise APIError(400, f"{body.path}: {exc}", param="path") from None
             return {"loaded": loaded, "version": self.s.engine.weights_version}
@@ -337,7 +340,7 @@ class _API:
         if body.logprobs is not None:
             choice["logprobs"] = self._completion_logprobs(out.token_ids, out.logprobs, body)
         if body.return_token_ids:
-            choice |= {"prompt_token_ids": prompt, "token_ids": out.token_ids}
+            choice |= {"prompt_token_ids": prompt, "token_ids": out.token_ids, "token_versions": out.versions}
         return choice
 
     def _completion_logprobs(self, ids: list[int], logprobs: list[float], body: CompletionRequest) -> dict:

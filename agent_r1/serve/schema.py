@@ -4,6 +4,8 @@ Only requests are pydantic models: they are where bad input must be caught and n
 meanings follow the OpenAI API, plus the vLLM extensions a rollout engine needs (`return_token_ids`,
 `return_tokens_as_token_ids`, `include_stop_str_in_output`), so one client (`RemoteEngine`) talks to
 vLLM and to `agent-r1 serve` alike. Unknown fields are ignored, as OpenAI-compatible servers do.
+Responses add one agent-r1 field next to `token_ids`: `token_versions`, the weights version that
+sampled each token (a response can span a `between_tokens` weight load).
 """
 
 from __future__ import annotations
@@ -101,3 +103,4 @@ class LoadWeightsRequest(BaseModel):
 
     path: str = Field(min_length=1)  # a .safetensors file holding every weight (tied ones under one name)
     version: int | None = Field(None, ge=0)  # reported by /v1/models as weights_version; None = previous + 1
+    between_tokens: bool = False  # swap at the next token boundary, running requests go on with the new weights

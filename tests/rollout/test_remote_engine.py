@@ -1,13 +1,18 @@
 """RemoteEngine against a real `agent-r1 serve` process on loopback: the same rollouts as LocalEngine.
-Weight sync: after `sync_weights(model)` the server (and a LocalEngine) samples exactly what `model` does."""
+Weight sync: after `sync_weights(model)` the server (and a LocalEngine) samples exactly what `model` does.
+Partial rollouts: a `between_tokens` load lands mid-response, which then says which tokens came from which
+version; the version check still catches weights this engine never pushed. vLLM's side is faked here."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -98,13 +103,17 @@ def test_parse_choice_reads_vllm_shapes():
         "finish_reason": "stop",
         "stop_reason": 2,  # a stop token id: an EOS
     }
-    out = parse_choice(old_vllm, prompt_len=3)
+    out = parse_choice(old_vllm, prompt_len=3, version=4)
     assert (out.token_ids, out.logprobs, out.finish_reason, out.prompt_len) == ([5, 2], [-0.5, -0.1], "eos", 3)
+    assert out.versions == [4, 4]  # vLLM reports no versions: the one current at the request, for every token
     stopped = {"token_ids": [7], "logprobs": {"token_logprobs": [-1.0]}, "finish_reason": "stop", "stop_reason": "</a>"}
-    assert parse_choice(stopped, 1).finish_reason == "stop"
-    assert parse_choice(stopped | {"finish_reason": "length"}, 1).finish_reason == "length"
+    assert parse_choice(stopped, 1, 0).finish_reason == "stop"
+    assert parse_choice(stopped | {"finish_reason": "length"}, 1, 0).finish_reason == "length"
+    assert parse_choice(stopped | {"token_versions": [5]}, 1, 4).versions == [5]  # agent-r1 serve's own
     with pytest.raises(RemoteEngineError, match="1 token ids but 0 log-probs"):
-        parse_choice(stopped | {"logprobs": None}, 1)
+        parse_choice(stopped | {"logprobs": None}, 1, 0)
+    with pytest.raises(RemoteEngineError, match="1 token ids but 2 token versions"):
+        parse_choice(stopped | {"token_versions": [4, 5]}, 1, 4)
 
 
 # --- weight sync --------------------------------------------------------------------------------------
@@ -232,3 +241,102 @@ def test_local_engine_sync_weights(tokenizer, prompt):
     policy = tiny_lora(tokenizer, seed=7)  # a LoRA policy into an engine serving the plain model: merged
     engine.sync_weights(policy)
     assert greedy(engine, prompt).token_ids == greedy(LocalEngine(policy, tokenizer), prompt).token_ids
+
+
+# --- partial rollouts: load_weights(..., between_tokens=True) -------------------------------------------
+
+
+def test_a_response_in_flight_during_a_between_tokens_load_spans_both_versions(
+    tiny_server, tokenizer, prompt, tmp_path
+):
+    url, served = tiny_server
+    remote = RemoteEngine(url, sync_dir=str(tmp_path))
+    assert remote.load_weights(full_state_dict(tiny(tokenizer, seed=5)), version=1) > 0  # synced: versions checked
+    long = SamplingParams(max_new_tokens=400, temperature=1.0, seed=0)  # a random tiny model rarely samples EOS
+    with ThreadPoolExecutor(1) as pool:
+        steps = served.stats["decode_steps"]
+        running = pool.submit(asyncio.run, remote.generate([prompt], long))
+        while served.stats["decode_steps"] < steps + 5 and not running.done():  # the request is decoding
+            time.sleep(0.001)
+        remote.load_weights(full_state_dict(tiny(tokenizer, seed=6)), version=2, between_tokens=True)
+        (out,) = running.result(timeout=60)  # no error: the served version changed, but to one this engine pushed
+    old, new = out.versions.count(1), out.versions.count(2)
+    assert out.versions == [1] * old + [2] * new and old >= 5 and new > 0, (old, new, out.finish_reason)
+    assert remote.weights_version == served.weights_version == 2
+
+
+def test_with_partial_rollouts_a_version_this_engine_never_pushed_is_still_an_error(
+    tiny_server, tokenizer, prompt, tmp_path
+):
+    url, _ = tiny_server
+    remote = RemoteEngine(url, sync_dir=str(tmp_path))
+    remote.load_weights(full_state_dict(tiny(tokenizer, seed=5)), version=1, between_tokens=True)
+    assert greedy(remote, prompt).versions == [1] * 8
+    other = tmp_path / "other.safetensors"
+    os.replace(tmp_path / "weights" / "model.safetensors", other)
+    httpx.post(f"{url}/v1/load_weights", json={"path": str(other), "version": 7}).raise_for_status()  # someone else
+    with pytest.raises(RemoteEngineError, match="serves weights version 7, not 1 "):
+        greedy(remote, prompt)
+    with pytest.raises(ValueError, match="weights version 1 is not newer than 1"):
+        remote.load_weights(full_state_dict(tiny(tokenizer, seed=5)), version=1)
+
+
+class FakeVLLM:
+    """A `vllm serve` in dev mode as RemoteEngine sees it (vLLM 0.32's RL endpoints), recording calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict]] = []  # (path, query parameters)
+        self.version: str | None = None
+        self.on_update = lambda: None  # runs while /update_weight_version is in flight
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        self.calls.append((path, dict(request.url.params)))
+        if path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "tiny", "owned_by": "vllm", "max_model_len": 64}]})
+        if path == "/weight_info":
+            return httpx.Response(200, json={"weight_version": self.version})
+        if path == "/v1/completions":
+            choice = {"text": "ab", "token_ids": [5, 6], "logprobs": {"token_logprobs": [-1.0, -2.0]}}
+            return httpx.Response(200, json={"choices": [choice | {"finish_reason": "length"}]})
+        if path == "/update_weight_version":
+            self.version = json.loads(request.content)["new_version"]
+            self.on_update()
+        return httpx.Response(200, json={})
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch, tmp_path):
+    """(a RemoteEngine talking to a FakeVLLM, the fake)."""
+    fake = FakeVLLM()
+    with httpx.Client(transport=httpx.MockTransport(fake)) as sync:
+        monkeypatch.setattr(httpx, "get", sync.get)
+        monkeypatch.setattr(httpx, "post", sync.post)
+        engine = RemoteEngine("http://vllm.test", sync_dir=str(tmp_path))
+        transport = httpx.MockTransport(fake)
+        monkeypatch.setattr(engine, "_client", lambda: httpx.AsyncClient(base_url=engine.base_url, transport=transport))
+        yield engine, fake
+
+
+def test_vllm_pauses_with_mode_keep_for_a_between_tokens_load_and_mode_wait_otherwise(fake_vllm):
+    engine, fake = fake_vllm
+    assert engine.is_vllm
+    state = {"w": torch.ones(2)}
+    load = ["/pause", "/collective_rpc", "/update_weight_version", "/resume"]
+
+    def posted() -> list[tuple[str, dict]]:  # the weight sync's calls, generation's left out
+        return [(p, q) for p, q in fake.calls if p in load]
+
+    assert engine.load_weights(state) == 1
+    assert [p for p, _ in posted()] == load and posted()[0][1] == {"mode": "wait", "clear_cache": "true"}
+    fake.calls.clear()
+    during: list = []  # the producer's generate ends while the trainer's load is in flight: the server
+    # already serves version 2, the engine's weights_version is still 1
+    fake.on_update = lambda: during.append(asyncio.run(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))))
+    engine.load_weights(state, between_tokens=True)
+    assert [p for p, _ in posted()] == load and posted()[0][1] == {"mode": "keep", "clear_cache": "true"}
+    assert during[0][0].versions == [1, 1]  # vLLM reports none: the version current at the request, conservative
+    assert asyncio.run(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2)))[0].versions == [2, 2]
+    fake.version = "99"  # another client's weights
+    with pytest.raises(RemoteEngineError, match="serves weights version 99, not 2 "):
+        asyncio.run(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2)))

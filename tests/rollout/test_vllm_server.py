@@ -111,7 +111,7 @@ def test_an_eos_ended_response_leaves_the_eos_text_out_as_the_other_engines_do(v
 
     async def one():
         async with httpx.AsyncClient(base_url=engine.base_url, transport=httpx.MockTransport(handler)) as mock:
-            return await engine._one(mock, [5, 6], SamplingParams(max_new_tokens=4), 0)
+            return await engine._one(mock, [5, 6], SamplingParams(max_new_tokens=4), 0, version=0)
 
     out = asyncio.run(one())
     assert (out.text, out.finish_reason, out.token_ids) == ("The answer is 42.", "eos", [1, 2, eos])

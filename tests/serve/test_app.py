@@ -310,6 +310,27 @@ async def test_load_weights_waits_for_the_batch_being_decoded(tiny_client, tiny_
     assert await greedy_ids(tiny_client, prompt) != old.token_ids[:8]
 
 
+async def test_load_weights_between_tokens_is_a_boolean_and_tokens_say_their_version(tiny_client, tokenizer, tmp_path):
+    path = weights_file(tmp_path / "w.safetensors", tiny(tokenizer, seed=4))
+    bad = await tiny_client.post("/v1/load_weights", json={"path": path, "between_tokens": "sometimes"})
+    assert bad.status_code == 400
+    assert (
+        bad.json()["error"]["message"] == "between_tokens: Input should be a valid boolean, unable to interpret input"
+    )
+    assert await weights_version(tiny_client) == 0  # refused before anything was read
+    ok = await tiny_client.post("/v1/load_weights", json={"path": path, "version": 3, "between_tokens": True})
+    assert ok.status_code == 200 and ok.json()["version"] == 3
+    prompt = tokenizer.encode("Hello there")
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    completion = (await tiny_client.post("/v1/completions", json=body)).json()["choices"][0]
+    assert completion["token_versions"] == [3] * len(completion["token_ids"]) == [3] * 4
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+    chat_choice = (await tiny_client.post("/v1/chat/completions", json=chat | {"return_token_ids": True})).json()
+    assert chat_choice["choices"][0]["token_versions"] == [3] * len(chat_choice["choices"][0]["token_ids"])
+    plain = (await tiny_client.post("/v1/completions", json=body | {"return_token_ids": False})).json()["choices"][0]
+    assert "token_versions" not in plain and "token_ids" not in plain  # OpenAI's shape unless asked
+
+
 def junk(path) -> str:
     path.write_bytes(b"not a safetensors file")
     return str(path)

@@ -419,6 +419,29 @@ def test_training_through_a_remote_engine_syncs_the_weights_every_step(tmp_path,
     assert version == 3 and hist[-1]["time/weight_sync"] > 0  # before step 1, after steps 1 and 2
 
 
+def test_asynchronous_training_through_a_remote_engine_loads_weights_between_tokens(tmp_path, tokenizer):
+    """rollout.engine=remote with rollout.max_staleness=1: the producer rolls out through `agent-r1 serve`,
+    which takes each update's weights between two tokens and says which version sampled each token."""
+    import httpx
+
+    from agent_r1.env.prompt_format import ChatFormat
+    from agent_r1.rollout.local_engine import LocalEngine
+    from agent_r1.serve import ServedModel, create_app
+    from tests.conftest import serving
+
+    served = LocalEngine(tiny_model(seed=3), tokenizer, max_context=1024)
+    with serving(
+        create_app(ServedModel(served, tokenizer, ChatFormat(tokenizer), "toy", allow_weight_updates=True))
+    ) as url:
+        cfg = toy_config(tmp_path, "steps=3", "rollout.engine=remote", f"rollout.url={url}", "rollout.max_staleness=1")
+        _, hist = run(cfg, tokenizer)
+        version = httpx.get(f"{url}/v1/models").json()["data"][0]["weights_version"]
+    assert version == 3  # the trainer's weights as version 0 before it started, then one per step
+    assert all(h["updates"] == 1 and h["async/version_lag_max"] <= 1 and h["trained_episodes"] == 16 for h in hist)
+    # the served log-probs are the trainer's own wherever the current weights sampled a whole step
+    assert all(h["logprob_drift_max"] < 1e-4 for h in hist), [h["logprob_drift_max"] for h in hist]
+
+
 def test_the_prompt_format_follows_the_model_passed_in_not_the_configs_model(tmp_path, tokenizer):
     """cfg.model names a chat model (the default), but the model passed in has a tokenizer without a chat
     template: `prompt_format=auto` must pick plain text for it (and never build the config's task env)."""
