@@ -17,9 +17,13 @@ Weight sync: `sync_weights(model)` waits until no request is in flight and holds
 copies the trainer's weights (a LoRA policy merged, under the plain model's names) into vLLM's model
 with vLLM's in-place `reload_weights` (the model's own `load_weights`, which fuses q/k/v and gate/up as
 vLLM stores them, plus each layer's post-load processing) and drops the prefix cache, whose keys and
-values were computed with the old weights. So every response is sampled from one version of the
-weights. On a GPU, `sleep()` frees vLLM's KV cache and weights' memory for the update (vLLM's sleep
-mode); the next weight sync or request wakes it.
+values were computed with the old weights: every response is sampled from one version of the weights.
+`load_weights(..., between_tokens=True)` (asynchronous RL's partial rollouts) waits only for the current
+engine step: the running requests are preempted, recomputed by the new weights over their prompt and
+the tokens sampled so far (AReaL's interruptible rollouts; vLLM cannot drop the prefix cache while they
+hold blocks of it), and sample on from there. Every token records the `weights_version` that sampled it
+(`GenerateOutput.versions`). On a GPU, `sleep()` frees vLLM's KV cache and weights' memory for the
+update (vLLM's sleep mode); the next weight sync or request wakes it.
 
 vLLM runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the weights move by a memory copy
 rather than through a socket. vLLM lowers torch's thread count for itself on a CPU; the trainer's is
@@ -35,8 +39,8 @@ import itertools
 import os
 import random
 import threading
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -88,6 +92,7 @@ class _Request:
     params: Any  # vllm.SamplingParams; None when there is nothing to sample (empty prompt, no room left)
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    versions: list[int] = field(default_factory=list)  # the weights_version of each token sampled so far
 
 
 class VLLMEngine:
@@ -153,7 +158,10 @@ class VLLMEngine:
         self._running: dict[str, _Request] = {}  # given to vLLM, not finished (the driver thread's)
         self._to_abort: list[str] = []  # cancelled by their callers, to drop at the next step
         self._cond = threading.Condition()
-        self._updating = False  # a weight sync is waiting for the running requests to finish
+        self._pauses: list[Callable[[], bool]] = []  # what each pause waits for; new requests wait for them
+        self._stopped = False  # a pause has stopped the driver between two steps
+        self._stepping = False  # the driver is using vLLM (admitting, aborting, stepping)
+        self._recompute = 0  # tokens the next step recomputes for requests preempted by a weight load
         self._closed = False
         self._driver = threading.Thread(target=self._drive, name="vllm-driver", daemon=True)
         self._driver.start()
@@ -199,44 +207,69 @@ class VLLMEngine:
         )
 
     def _drive(self) -> None:
-        """The driver thread: admit queued requests between steps, step while any runs, resolve the
-        finished ones on their callers' event loops."""
+        """The driver thread: step while any request runs. `_stepping` marks the stretch in which it uses
+        vLLM (and changes `_running`); between two steps it stands aside for a pause that is ready
+        (`_paused`), which could not otherwise win the lock from it."""
         while True:
             with self._cond:
-                while not self._closed and not self._running and (self._updating or not self._queue):
+                while not self._closed and (self._stopped or self._pause_ready() or not self._has_work()):
                     self._cond.wait()
                 if self._closed:
                     return
-                admit = [] if self._updating else self._admissible()
+                admit = [] if self._pauses else self._admissible()
+                self._recompute = 0  # a recomputation after a weight load is in this step's budget
                 abort, self._to_abort = [rid for rid in self._to_abort if rid in self._running], []
-            if abort:  # callers that gave up: vLLM drops them from the batch
-                self._engine.abort_request(abort)
-                for rid in abort:
-                    self._running.pop(rid, None)
-            if admit:
-                self._wake()  # a rollout after a step without an update: no weight sync woke vLLM
-            for r in admit:
-                self._add(r)
-            if not self._running:
-                continue
+                self._stepping = True
             try:
-                outputs = self._engine.step()
-            except Exception as exc:  # an engine failure fails every running request, not the thread
-                self._fail_running(exc)
+                self._step(admit, abort)
+            finally:
+                with self._cond:
+                    self._stepping = False
+                    self._cond.notify_all()  # a waiting pause checks whether it may stop the driver here
+
+    def _has_work(self) -> bool:
+        """Requests to step: running ones, or queued ones no pause holds back."""
+        return bool(self._running or (self._queue and not self._pauses))
+
+    def _pause_ready(self) -> bool:
+        """A waiting pause could start now: the driver lets it in before stepping again."""
+        return any(ready() for ready in self._pauses)
+
+    def _step(self, admit: list[_Request], abort: list[str]) -> None:
+        """Drop the cancelled requests, add the admitted ones, run one engine step, record which weights
+        sampled each new token and resolve the finished requests on their callers' event loops."""
+        if abort:  # callers that gave up: vLLM drops them from the batch
+            self._engine.abort_request(abort)
+            for rid in abort:
+                self._running.pop(rid, None)
+        if admit:
+            self._wake()  # a rollout after a step without an update: no weight sync woke vLLM
+        for r in admit:
+            self._add(r)
+        if not self._running:
+            return
+        try:
+            outputs = self._engine.step()
+        except Exception as exc:  # an engine failure fails every running request, not the thread
+            self._fail_running(exc)
+            return
+        for out in outputs:  # cumulative outputs (vLLM's default kind): every token so far
+            if (r := self._running.get(out.request_id)) is None:
                 continue
-            for out in outputs:
-                if out.finished and (r := self._running.get(out.request_id)) is not None:
-                    self._resolve(r, self._output(out, len(r.prompt)))
-            with self._cond:
-                self._cond.notify_all()  # a waiting weight sync checks whether the batch has drained
+            # weights change only between steps, so this step's new tokens are the current version's
+            r.versions += [self.weights_version] * (len(out.outputs[0].token_ids) - len(r.versions))
+            if out.finished:
+                self._resolve(r, self._output(out, r))
 
     def _admissible(self) -> list[_Request]:
         """Queued requests to hand to vLLM now: all of them on a GPU; on a CPU those whose prompts fit
-        whole into this step's token budget next to the running requests' decode tokens (see __init__)."""
+        whole into this step's token budget next to what the running requests compute in it: a decode
+        token each, or their whole sequences in the step after a between-token weight load (see __init__
+        and `load_weights`)."""
         if not self._cpu:
             admit, self._queue = self._queue, []
             return admit
-        budget, n = self._step_tokens - len(self._running), 0
+        budget, n = self._step_tokens - (self._recompute or len(self._running)), 0
         while n < len(self._queue) and (len(self._queue[n].prompt) <= budget or (n == 0 and not self._running)):
             budget -= len(self._queue[n].prompt)
             n += 1
@@ -248,7 +281,7 @@ class VLLMEngine:
             self._resolve(r, ValueError("cannot generate from an empty prompt"), running=False)
             return
         if r.params is None:  # as LocalEngine: no room left in the context is an empty "length" response
-            self._resolve(r, GenerateOutput([], [], "", "length", len(r.prompt)), running=False)
+            self._resolve(r, GenerateOutput([], [], "", "length", len(r.prompt), []), running=False)
             return
         try:
             self._engine.add_request(r.request_id, {"prompt_token_ids": r.prompt}, r.params)
@@ -286,8 +319,8 @@ class VLLMEngine:
             self._to_abort.extend(request_ids)
             self._cond.notify_all()
 
-    def _output(self, out: Any, prompt_len: int) -> GenerateOutput:
-        """A finished vLLM `RequestOutput` -> GenerateOutput. vLLM reports EOS as "stop" with no
+    def _output(self, out: Any, r: _Request) -> GenerateOutput:
+        """A finished vLLM `RequestOutput` of `r` -> GenerateOutput. vLLM reports EOS as "stop" with no
         stop_reason, a stop string as that string, a stop token id as an int. As with LocalEngine,
         the EOS token is sampled and trained but not part of the text (vLLM's text would end in it)."""
         c = out.outputs[0]
@@ -302,7 +335,7 @@ class VLLMEngine:
             reason, text = "eos", self._tokenizer.decode(ids[:-1], skip_special_tokens=False)
         else:
             reason = str(c.finish_reason)
-        return GenerateOutput(ids, logprobs, text, reason, prompt_len)
+        return GenerateOutput(ids, logprobs, text, reason, len(r.prompt), list(r.versions))
 
     # --- weights and memory ------------------------------------------------------------------------
 
@@ -310,38 +343,69 @@ class VLLMEngine:
         """Make vLLM sample from `model`'s weights (LoRA merged)."""
         self.load_weights(full_state_dict(model))
 
-    def load_weights(self, state: Mapping[str, torch.Tensor], version: int | None = None) -> int:
-        """Copy `state` (the plain model's names) into vLLM's model: waits for the running requests, holds
-        new ones back, reloads, and drops the prefix cache computed with the old weights. Returns the
-        number of tensors; `weights_version` becomes `version`, by default the previous one + 1."""
-        with self._paused():
+    def load_weights(
+        self, state: Mapping[str, torch.Tensor], version: int | None = None, between_tokens: bool = False
+    ) -> int:
+        """Copy `state` (the plain model's names) into vLLM's model and drop the prefix cache computed with
+        the old weights; returns the number of tensors once the new weights are in use. `weights_version`
+        becomes `version`, by default the previous one + 1.
+
+        By default it holds new requests back and waits for the running ones to finish, so each response
+        comes from one version. With `between_tokens` it waits only for the current engine step. vLLM
+        drops the prefix cache only when no request holds blocks of it (`reset_prefix_cache()` returns
+        False otherwise), so the running requests do not keep their KV cache: vLLM's
+        `reset_running_requests=True` preempts them, and the next step recomputes their prompt and the
+        tokens sampled so far with the new weights, from where they sample on (AReaL's interruptible
+        rollouts, not PipelineRL's stale keys). Their tokens after the load therefore have exactly the
+        new weights' log-probs, at the cost of one prefill per running request. On a CPU that prefill
+        must fit whole into one step (see __init__), so there the load first lets the batch shrink until
+        it does, holding new requests back."""
+        with self._paused(self._recomputable if between_tokens else self._drained):
             if self.asleep:
                 self.llm.wake_up(tags=["weights"])  # the KV cache stays freed while the weights load
             # vLLM's in-place reload: the model's own load_weights (fusing q/k/v, gate/up) wrapped in the
             # layer-wise bookkeeping that redoes each layer's post-load processing (e.g. CPU repacking)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state.items())})
             self._wake()
-            self.llm.reset_prefix_cache()
+            self._recompute = self._running_tokens()
+            self.llm.reset_prefix_cache(reset_running_requests=True)  # raises if it cannot
             self.weights_version = self.weights_version + 1 if version is None else version
         return len(state)
 
+    def _drained(self) -> bool:
+        """No request runs: a pause that waits for it keeps each response on one version of the weights."""
+        return not self._running
+
+    def _running_tokens(self) -> int:
+        """Prompt and sampled tokens of the running requests: what recomputing them all takes."""
+        return sum(len(r.prompt) + len(r.versions) for r in self._running.values())
+
+    def _recomputable(self) -> bool:
+        """Whether the running requests' recomputation after a weight load fits one step: always on a
+        GPU, where vLLM may split it across steps; on a CPU, when it fits the step's token budget."""
+        return not self._cpu or self._running_tokens() <= self._step_tokens
+
     @contextlib.contextmanager
-    def _paused(self) -> Iterator[None]:
-        """Hold new requests back and wait for the running ones to finish: inside, this thread may use
-        vLLM (otherwise only the driver thread does)."""
+    def _paused(self, ready: Callable[[], bool]) -> Iterator[None]:
+        """Hold new requests back until `ready()` holds between two engine steps (the driver steps on
+        meanwhile), then stop the driver there: inside, this thread may use vLLM (otherwise only the
+        driver thread does) and the running requests stay in vLLM's batch, unless `ready` waited for
+        them to finish (`_drained`)."""
         with self._cond:
-            self._updating = True
-            while self._running:
+            self._pauses.append(ready)
+            while self._stepping or self._stopped or not ready():
                 self._cond.wait()
+            self._stopped = True
         try:
             yield
         finally:
             with self._cond:
-                self._updating = False
+                self._pauses.remove(ready)
+                self._stopped = False
                 self._cond.notify_all()
 
     def _wake(self) -> None:
-        """Give vLLM back its memory (a no-op when awake); only called while no request runs."""
+        """Give vLLM back its memory (a no-op when awake; while asleep no request runs)."""
         if self.asleep:
             self.llm.wake_up()  # whatever is still asleep: the KV cache, and the weights after a step without update
             self.asleep = False
@@ -351,7 +415,7 @@ class VLLMEngine:
         without sleep mode (on a CPU, or `rollout.vllm.sleep=false`)."""
         if not self.can_sleep or self.asleep:
             return
-        with self._paused():
+        with self._paused(self._drained):
             self.llm.sleep(level=1)
             self.asleep = True
 

@@ -10,7 +10,7 @@ import torch
 
 from agent_r1.models.loading import load_model, resolve_model_path
 from agent_r1.models.lora import LoraConfig, merged_copy, with_lora
-from agent_r1.rollout.engine import SamplingParams
+from agent_r1.rollout.engine import SamplingParams, full_state_dict
 from agent_r1.rollout.local_engine import LocalEngine
 from tests.conftest import recompute_logprobs
 
@@ -35,7 +35,12 @@ def smol():
 
 
 def chat_prompts(tokenizer) -> list[list[int]]:
-    questions = ["What is 12 + 30?", "Name a colour of the sky.", "Write one word that rhymes with cat."]
+    questions = [
+        "What is 12 + 30?",
+        "Name a colour of the sky.",
+        "Write one word that rhymes with cat.",
+        "Write a long story about a dragon who learns to bake bread.",  # an answer far longer than the tests ask
+    ]
     return [
         tokenizer.encode(
             tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
@@ -51,7 +56,7 @@ def generate(engine, prompts, **kw):
 
 def test_greedy_tokens_equal_the_local_engines(smol):
     model, tokenizer, engine = smol
-    prompts = chat_prompts(tokenizer)
+    prompts = chat_prompts(tokenizer)[:3]
     ours = generate(engine, prompts, max_new_tokens=48, temperature=0.0)
     local = generate(LocalEngine(model, tokenizer, seed=0), prompts, max_new_tokens=48, temperature=0.0)
     assert any(o.finish_reason == "eos" for o in local)  # the text of an answer that ended at EOS too
@@ -63,7 +68,7 @@ def test_greedy_tokens_equal_the_local_engines(smol):
 
 def test_sampled_logprobs_match_the_trainers_forward(smol):
     model, tokenizer, engine = smol
-    prompts = chat_prompts(tokenizer)
+    prompts = chat_prompts(tokenizer)[:3]
     for temperature in (1.0, 0.7):
         outs = generate(engine, prompts * 2, max_new_tokens=16, temperature=temperature, seed=11)
         assert (
@@ -127,12 +132,19 @@ def test_weights_synced_after_an_update_are_the_ones_vllm_samples_from(smol, lor
     ).abs().max() < 1e-3
 
 
+def sharpened(base):
+    """`base` with its lm_head (tied to the embeddings) scaled by 1.5: a large, visible change."""
+    moved = copy.deepcopy(base)
+    with torch.no_grad():
+        moved.lm_head.weight.mul_(1.5)
+    return moved
+
+
 def test_a_sync_waits_for_running_requests_and_each_response_has_one_version(smol):
     base, tokenizer, engine = smol
     prompt = chat_prompts(tokenizer)[2]
-    moved = copy.deepcopy(base)
-    with torch.no_grad():
-        moved.lm_head.weight.mul_(1.5)  # tied to the embeddings: a large, visible change
+    moved = sharpened(base)
+    version = engine.weights_version
 
     async def race():
         job = asyncio.create_task(
@@ -146,6 +158,74 @@ def test_a_sync_waits_for_running_requests_and_each_response_has_one_version(smo
     for o in outs:  # every token of every response came from the old weights
         ref = recompute_logprobs(base, prompt + o.token_ids)[len(prompt) - 1 :]
         assert (ref - torch.tensor(o.logprobs)).abs().max().item() < 1e-3
+        assert o.versions == [version] * len(o.token_ids)
+    engine.sync_weights(base)
+
+
+def test_without_a_load_every_token_has_the_engines_weights_version(smol):
+    _, tokenizer, engine = smol
+    full = list(range(5, 1029))  # fills the context: nothing to sample
+    outs = generate(engine, [*chat_prompts(tokenizer)[:2], full], max_new_tokens=6, temperature=1.0, seed=7)
+    assert [o.versions for o in outs] == [[engine.weights_version] * len(o.token_ids) for o in outs]
+    assert len(outs[0].token_ids) > 0 and outs[2].versions == []
+
+
+def sampled(engine, n: int) -> bool:
+    """Whether a request in vLLM's batch has sampled `n` tokens (the driver's record of them)."""
+    return any(len(r.versions) >= n for r in list(engine._running.values()))
+
+
+def test_a_between_tokens_load_reaches_a_running_response_and_each_token_says_which(smol):
+    """Partial rollouts: the load lands between two engine steps of a response in flight and returns before
+    it ends. vLLM recomputes the response's keys with the new weights (it cannot drop the prefix cache while
+    the response holds blocks of it), so every token's log-prob is exactly what its version's weights give
+    over the whole sequence: the old weights' before the switch, the new weights' after."""
+    base, tokenizer, engine = smol
+    prompt = chat_prompts(tokenizer)[3]
+    moved, v0 = sharpened(base), engine.weights_version
+
+    async def race():
+        job = asyncio.create_task(engine.generate([prompt], SamplingParams(max_new_tokens=32, temperature=1.0, seed=4)))
+        while not sampled(engine, 3) and not job.done():
+            await asyncio.sleep(0.002)
+        await asyncio.to_thread(engine.load_weights, full_state_dict(moved), v0 + 1, True)
+        returned_first = not job.done()
+        return returned_first, await job
+
+    returned_first, (out,) = asyncio.run(race())
+    assert returned_first and len(out.token_ids) == 32  # the load did not wait for the response
+    j = out.versions.index(v0 + 1)  # the first token the new weights sampled
+    assert out.versions == [v0] * j + [v0 + 1] * (32 - j) and j >= 3
+    seq, got = prompt + out.token_ids, torch.tensor(out.logprobs)
+    old_ref = recompute_logprobs(base, seq)[len(prompt) - 1 :]
+    new_ref = recompute_logprobs(moved, seq)[len(prompt) - 1 :]
+    assert (old_ref[:j] - got[:j]).abs().max().item() < 1e-3
+    assert (new_ref[j:] - got[j:]).abs().max().item() < 1e-3
+    assert (old_ref[j:] - got[j:]).abs().mean().item() > 0.05  # the new weights really differ
+    engine.sync_weights(base)
+
+
+def test_on_a_cpu_a_between_tokens_load_waits_until_the_recomputation_fits_one_step(smol, monkeypatch):
+    """vLLM's CPU build cannot split a seeded request's prefill across steps, so a between-token load waits,
+    holding new requests back, until the running requests' recomputation fits one step's token budget: here
+    the short answers finish on the old weights, and the long one goes on with the new."""
+    base, tokenizer, engine = smol
+    q0, q1, _, story = chat_prompts(tokenizer)
+    monkeypatch.setattr(engine, "_step_tokens", 2 * len(story) + 4)  # all three prompts do not fit, one does
+    moved, v0 = sharpened(base), engine.weights_version
+
+    async def race():
+        short = asyncio.create_task(engine.generate([q0, q1], SamplingParams(max_new_tokens=4, seed=5)))
+        long = asyncio.create_task(engine.generate([story], SamplingParams(max_new_tokens=24, seed=6)))
+        while len(engine._running) < 3 and not short.done():
+            await asyncio.sleep(0.002)
+        await asyncio.to_thread(engine.load_weights, full_state_dict(moved), v0 + 1, True)
+        return await short, await long
+
+    shorts, (out,) = asyncio.run(race())
+    assert [o.versions for o in shorts] == [[v0] * len(o.token_ids) for o in shorts]
+    j = out.versions.index(v0 + 1)
+    assert out.versions == [v0] * j + [v0 + 1] * (len(out.token_ids) - j) and j >= 3
     engine.sync_weights(base)
 
 

@@ -28,3 +28,15 @@ def test_vllm_rollouts_learn_like_local_ones(tmp_path, tokenizer):
     # ... so truncated importance sampling changes almost nothing
     assert all(abs(h["tis_weight_mean"] - 1) < 1e-2 and h["tis_clip_frac"] == 0 for h in vllm)
     assert "tis_weight_mean" not in runs["local"][0]  # fp32 local rollouts are trusted as they are
+
+
+def test_asynchronous_rl_with_vllm_takes_weights_between_tokens(tmp_path, tokenizer):
+    """rollout.engine=vllm with rollout.max_staleness=1: the producer rolls out through the trainer's vLLM,
+    which gets each update's weights between two engine steps; the trainer recomputes the proximal
+    log-probs, and where the current weights sampled a whole step vLLM's log-probs are the trainer's."""
+    extra = ["steps=4", "rollout.engine=vllm", "rollout.vllm.kv_cache_gb=0.5", "rollout.max_staleness=1"]
+    model = make_tiny_llama(VOCAB, hidden=128, seed=0)
+    hist = train(toy_config(tmp_path, *extra), model=model, tokenizer=tokenizer, make_env=LowIdEnv, tasks=TASKS)
+    assert all(h["updates"] == 1 and h["async/version_lag_max"] <= 1 and h["trained_episodes"] == 16 for h in hist)
+    assert any(h["async/version_lag_mean"] > 0 for h in hist[1:])  # it rolled out beside the update
+    assert all(h["logprob_drift_mean"] < 1e-3 for h in hist), [h["logprob_drift_mean"] for h in hist]
