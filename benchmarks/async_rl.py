@@ -4,7 +4,9 @@ The task is the trainer tests' toy (a tiny Llama over 64 ids; the reward is the 
 below 32, which GRPO learns in a dozen steps), made latency-bound: every turn ends in a tool call that
 takes a log-normal time, median 1 s, sigma 0.9, capped at 8 s (p95 4.4 s, p99 8 s), as a search API or a
 sandbox would. Each arm runs the same seeds; the table gives steps per hour, the reward of the first and
-last steps, and the trainer's and the engine's idle fractions. A JSON line per run goes to --out.
+last steps, the trained policy's reward (its own samples on the 16 tasks x 8, tools without latency:
+what the run learned, where the batch rewards lag by the samples' age), and the trainer's and the
+engine's idle fractions. A JSON line per run goes to --out.
 
     python benchmarks/async_rl.py [--steps 16] [--seeds 0,1] [--arms 0,1,2] [--out runs/bench/async_rl.jsonl]
 """
@@ -47,15 +49,36 @@ class SlowToolEnv:
         self.turn, self.hits, self.context = 0, [], list(task["ids"])
         return Observation(token_ids=list(self.context))
 
+    def delay(self) -> float:
+        return latency(SlowToolEnv.rng)
+
     async def step(self, action):
         self.turn += 1
         self.hits += [t < VOCAB // 2 for t in action.token_ids]
-        await asyncio.sleep(latency(SlowToolEnv.rng))  # the tool call
+        await asyncio.sleep(self.delay())  # the tool call
         if self.turn == 2:
             reward = sum(self.hits) / max(1, len(self.hits))
             return StepResult(None, reward, True, {"termination": Termination.ANSWERED})
         self.context = self.context + action.token_ids + [40, 41]
         return StepResult(Observation(token_ids=list(self.context)), None, False, {})
+
+
+class FastToolEnv(SlowToolEnv):
+    """SlowToolEnv with tools that answer at once: to measure a trained policy, not the latency."""
+
+    def delay(self) -> float:
+        return 0.0
+
+
+def policy_reward(model, tokenizer, samples: int = 8) -> float:
+    """The mean reward of `model`'s own episodes (temperature 1, fixed seeds) on every task."""
+    from agent_r1.rollout.agent_loop import AgentEnvLoop
+    from agent_r1.rollout.engine import SamplingParams
+    from agent_r1.rollout.local_engine import LocalEngine
+
+    loop = AgentEnvLoop(LocalEngine(model, tokenizer), FastToolEnv, SamplingParams(max_new_tokens=6), seed=12345)
+    trajs = loop.run_sync(TASKS, samples)
+    return sum(t.reward for t in trajs) / len(trajs)
 
 
 def tiny_model(seed: int):
@@ -81,7 +104,8 @@ def run(k: int, seed: int, steps: int, tokenizer) -> dict:
             f"save_every={steps}", "log.trajectories_every=0",
         ])  # fmt: skip
         t0 = time.perf_counter()
-        hist = train(cfg, model=tiny_model(seed), tokenizer=tokenizer, make_env=SlowToolEnv, tasks=TASKS)
+        model = tiny_model(seed)
+        hist = train(cfg, model=model, tokenizer=tokenizer, make_env=SlowToolEnv, tasks=TASKS)
         wall = time.perf_counter() - t0
 
     def mean(key: str) -> float:
@@ -97,6 +121,7 @@ def run(k: int, seed: int, steps: int, tokenizer) -> dict:
         "version_lag_mean": round(mean("async/version_lag_mean"), 3),
         "spanning_versions": round(mean("async/episodes_spanning_versions"), 3),
         "dropped_groups": sum(h.get("async/dropped_groups", 0) for h in hist),
+        "policy_reward": round(policy_reward(model, tokenizer), 4),
     }  # fmt: skip
 
 
@@ -120,12 +145,12 @@ def main() -> None:
             with out.open("a") as f:
                 f.write(json.dumps(r) + "\n")
     print(f"{'k':>2} {'seed':>4} {'wall s':>7} {'steps/h':>8} {'reward 1-4':>10} {'reward last 4':>13} "
-          f"{'trainer idle':>12} {'engine idle':>11} {'lag':>5} {'dropped':>7}")  # fmt: skip
+          f"{'policy':>6} {'trainer idle':>12} {'engine idle':>11} {'lag':>5} {'dropped':>7}")  # fmt: skip
     for r in results:
         first, last = sum(r["rewards"][:4]) / 4, sum(r["rewards"][-4:]) / 4
         print(f"{r['max_staleness']:>2} {r['seed']:>4} {r['wall_s']:>7.1f} {r['steps_per_hour']:>8.0f} {first:>10.3f} "
-              f"{last:>13.3f} {r['trainer_idle_frac']:>12.2f} {r['engine_idle_frac']:>11.2f} "
-              f"{r['version_lag_mean']:>5.2f} {r['dropped_groups']:>7}")  # fmt: skip
+              f"{last:>13.3f} {r['policy_reward']:>6.3f} {r['trainer_idle_frac']:>12.2f} "
+              f"{r['engine_idle_frac']:>11.2f} {r['version_lag_mean']:>5.2f} {r['dropped_groups']:>7}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@
 Under torchrun (docs/distributed.md) each rank rolls out its share of the tasks and every rank gets all
 the trajectories, so steps 2-4 are the same computation everywhere; the model passes of steps 3 and 5
 split the rows between the ranks, whose FSDP2 shards make one model. With `cluster.rollout_workers`,
-Ray actors roll out instead (rank 0 drives them). Rank 0 alone logs, validates and exports.
+Ray actors roll out instead (rank 0 drives them). Asynchronous RL runs one producer, on rank 0, which
+broadcasts each batch. Rank 0 alone logs, validates and exports.
 
 With the local engine in fp32 the importance ratio uses the rollout log-probs (the engine computes
 them with the trainer's own model, weights and temperature), so there is no extra "old log-prob"
