@@ -17,7 +17,9 @@ class StepResult(NamedTuple):
     observation: Observation | None  # None once done
     reward: float | None  # reward of this step (process or outcome), None when the env gives none
     done: bool
-    info: dict[str, Any]  # "termination": Termination when done; anything else is logged as metrics
+    # "termination": Termination when done; "metrics": {name: number}, summed over the episode and logged as
+    # batch means (as ToolEnv's tool_calls and tool_errors are); all of it is kept in the trajectory records
+    info: dict[str, Any]
 
 
 class Env(Protocol):

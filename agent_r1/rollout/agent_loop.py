@@ -152,6 +152,9 @@ def trajectory_metrics(traj: Trajectory) -> dict[str, float]:
     parts |= {f"tool_errors/{k}": float(n) for k, n in kinds.items()}  # timeout, memory_limit, parse_error, ...
     used = Counter(r["name"] for i in infos for r in i.get("tool_results", []))
     parts |= {f"tool_calls/{name}": float(n) for name, n in used.items()}  # each tool's calls per episode
+    for i in infos:  # an env's own per-step counts (the gateway's merged and fresh steps), summed per episode
+        for name, value in i.get("metrics", {}).items():
+            parts[name] = parts.get(name, 0.0) + float(value)
     return parts | {
         "reward": traj.reward,
         "turns": float(len(traj.steps)),

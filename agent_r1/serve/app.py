@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import time
 import uuid
@@ -32,38 +31,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import jsonschema
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
-from starlette.types import Message as ASGIMessage
 from transformers import PreTrainedTokenizerBase
 
 from agent_r1.env.prompt_format import PromptFormat
-from agent_r1.env.tool_calls import (
-    CALL_CLOSE,
-    CALL_OPEN,
-    ParsedCall,
-    format_tool_call,
-    format_tool_responses,
-    parse_tool_calls,
-    tools_system_prompt,
-)
+from agent_r1.env.tool_calls import CALL_CLOSE, CALL_OPEN
 from agent_r1.models.vision import image_parts
 from agent_r1.rollout.engine import GenerateOutput, SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.text_stream import TextStream, visible_prefix
-from agent_r1.serve.schema import (
-    APIError,
-    ChatCompletionRequest,
-    ChatMessage,
-    CompletionRequest,
-    LoadWeightsRequest,
-    ToolSpec,
-)
-from agent_r1.tools import Tool
+from agent_r1.serve.http import install_error_handlers, sse
+from agent_r1.serve.messages import chat_result, check_unicode, template_messages, tool_schemas
+from agent_r1.serve.schema import APIError, ChatCompletionRequest, CompletionRequest, LoadWeightsRequest
 from agent_r1.types import Image, Message
 
 
@@ -86,23 +65,7 @@ def create_app(served: ServedModel) -> FastAPI:
     """The FastAPI app; run it with uvicorn (`agent-r1 serve`) or call it in-process in tests."""
     api = _API(served)
     app = FastAPI(title="agent-r1", summary="OpenAI-compatible API and rollout engine")
-    app.add_middleware(_BodyLimit, limit=served.max_request_bytes)
-
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(_validation_error(exc))
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return _error_response(exc.error if isinstance(exc, _TooLarge) else APIError(exc.status_code, str(exc.detail)))
-
-    @app.exception_handler(Exception)
-    async def server_error(_: Request, exc: Exception) -> JSONResponse:
-        return _error_response(_server_error(exc))
+    install_error_handlers(app, served.max_request_bytes)
 
     app.get("/health")(lambda: {"status": "ok", "generating": api.generating})
     app.get("/v1/models")(api.models)
@@ -128,9 +91,9 @@ class _API:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
         self._check_model(body.model)
-        _check_unicode(body)
-        tools = _tool_schemas(body.tools) if body.tools and body.tool_choice != "none" else []
-        prompt, images = await _off_loop(self._chat_prompt, _template_messages(body.messages, tools))
+        check_unicode(body)
+        tools = tool_schemas(body.tools) if body.tools and body.tool_choice != "none" else []
+        prompt, images = await _off_loop(self._chat_prompt, template_messages(body.messages, tools))
         stops = body.stops + tuple(self.s.prompt_format.stop)
         max_tokens = self._budget(len(prompt), body.max_completion_tokens or body.max_tokens, "messages")
         params = SamplingParams(
@@ -139,9 +102,9 @@ class _API:
         )  # fmt: skip
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.s.name}
         if body.stream:
-            return _sse(self._chat_events(head, prompt, images, params, stops, bool(tools)))
+            return sse(self._chat_events(head, prompt, images, params, stops, bool(tools)))
         (out,) = await self._generate(request, [prompt], params, images)
-        content, calls, finish = _chat_result(out.text, stops, bool(tools), out.finish_reason)
+        content, calls, finish = chat_result(out.text, stops, bool(tools), out.finish_reason)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
@@ -157,7 +120,7 @@ class _API:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         self._check_model(body.model)
-        _check_unicode(body)
+        check_unicode(body)
         self._check_rows(body)
         prompts = await _off_loop(self._prompt_ids, body.prompt)
         longest = max(len(p) for p in prompts)
@@ -170,7 +133,7 @@ class _API:
         rows = [p for p in prompts for _ in range(body.n)]
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.s.name}
         if body.stream:
-            return _sse(self._completion_events(head, rows, params, body))
+            return sse(self._completion_events(head, rows, params, body))
         outs = await self._generate(request, rows, params)
         choices = [self._completion_choice(k, p, o, body) for k, (p, o) in enumerate(zip(rows, outs, strict=True))]
         return head | {"object": "text_completion", "choices": choices, "usage": _usage(rows, outs)}
@@ -304,7 +267,7 @@ class _API:
                 if delta := text.push(event[1]):
                     yield chunk({"content": delta})
             (out,) = outputs()
-        content, calls, finish = _chat_result(out.text, stops, tools, out.finish_reason)
+        content, calls, finish = chat_result(out.text, stops, tools, out.finish_reason)
         last: dict[str, Any] = {"content": rest} if (rest := text.finish(content or "")) else {}
         if calls:
             last["tool_calls"] = [c | {"index": k} for k, c in enumerate(calls)]
@@ -352,105 +315,6 @@ class _API:
         return {"token": self.s.tokenizer.decode([token]), "logprob": logprob, "bytes": None, "top_logprobs": []}
 
 
-def _template_messages(messages: list[ChatMessage], tools: list[dict]) -> list[Message]:
-    """OpenAI messages -> the messages `ToolEnv` would have built: one system prompt listing the tools,
-    assistant calls as hermes `<tool_call>` blocks, and consecutive tool results as one user turn."""
-    out: list[Message] = []
-    system: list[str] = []
-    results: list[str] = []
-    shown: list[list[str]] = []  # per tool result, its images
-    for i, m in enumerate(messages):
-        if results and m.role != "tool":
-            out.append({"role": "user", "content": format_tool_responses(results, shown)})
-            results, shown = [], []
-        text = _text(m, i, images=m.role in ("user", "tool"))
-        if m.role == "tool":
-            results.append(text)
-            shown.append(_images(m))
-        elif m.role in ("system", "developer") and tools:
-            system.append(text)  # becomes the instructions of the tools system prompt
-        elif m.role in ("system", "developer"):
-            out.append({"role": "system", "content": text})
-        elif m.role == "assistant":
-            calls = [format_tool_call(c.function.name, _arguments(c.function.arguments, i)) for c in m.tool_calls or []]
-            out.append({"role": "assistant", "content": "\n".join(([text] if text else []) + calls)})
-        else:
-            images = [{"type": "image", "image": url} for url in _images(m)]
-            out.append({"role": "user", "content": [*images, {"type": "text", "text": text}] if images else text})
-    if results:
-        out.append({"role": "user", "content": format_tool_responses(results, shown)})
-    if tools:
-        out.insert(0, {"role": "system", "content": tools_system_prompt(tools, "\n\n".join(system))})
-    return out
-
-
-def _text(m: ChatMessage, i: int, images: bool = False) -> str:
-    """The text of a message; `images`: its image_url parts are allowed (user and tool messages), and
-    each must be a data URL (a server that fetched URLs would reach wherever a client points it)."""
-    if m.content is None or isinstance(m.content, str):
-        return m.content or ""
-    allowed = ("text", "image_url") if images else ("text",)
-    if any(part.get("type") not in allowed for part in m.content):
-        what = "text and image_url" if images else "text"
-        raise APIError(400, f"only {what} content parts are supported here", param=f"messages[{i}].content")
-    if any(not str(url).startswith("data:") for url in _images(m)):
-        raise APIError(400, "an image_url must be a data: URL (base64)", param=f"messages[{i}].content")
-    return "".join(str(part.get("text", "")) for part in m.content if part.get("type") == "text")
-
-
-def _images(m: ChatMessage) -> list[str]:
-    """The image URLs of a message's image_url parts, in order (images go before its text)."""
-    if not isinstance(m.content, list):
-        return []
-    return [str(url.get("url") if isinstance(url, dict) else url) for p in m.content if (url := p.get("image_url"))]
-
-
-def _arguments(arguments: str, i: int) -> Any:
-    try:
-        return json.loads(arguments)
-    except (ValueError, RecursionError):  # not JSON, a number of more than 4300 digits, nesting too deep
-        raise APIError(400, "tool call arguments must be a JSON string", param=f"messages[{i}].tool_calls") from None
-
-
-def _tool_schemas(specs: list[ToolSpec]) -> list[dict]:
-    """Validate client tools like our own: a valid name and an object JSON schema (they run client-side)."""
-    schemas = []
-    for i, spec in enumerate(specs):
-        f = spec.function
-        try:
-            if f.parameters.get("type") != "object":
-                raise ValueError('parameters must be a JSON schema with "type": "object"')
-            schemas.append(Tool(f.name, f.description, f.parameters, fn=_runs_on_client).schema)
-        except (ValueError, TypeError, jsonschema.SchemaError) as exc:  # TypeError: `$schema` is not a string
-            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise APIError(400, f"invalid tool {f.name!r}: {message}", param=f"tools[{i}]") from None
-    return schemas
-
-
-def _runs_on_client(**_: Any) -> None:
-    raise RuntimeError("tools given in a request are called by the client, never by the server")
-
-
-def _chat_result(text: str, stops: tuple[str, ...], tools: bool, finish: str) -> tuple[str | None, list, str]:
-    """(content, OpenAI tool_calls, finish_reason) of one response; a malformed call stays content."""
-    calls = [c for c in parse_tool_calls(text) if isinstance(c, ParsedCall)] if tools else []
-    if not calls:
-        return visible_prefix(text, stops, final=True), [], "length" if finish == "length" else "stop"
-    openai_calls = [
-        {
-            "id": f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {
-                "name": c.name,
-                "arguments": c.arguments if isinstance(c.arguments, str) else json.dumps(c.arguments),
-            },
-        }
-        for c in calls
-    ]
-    content = visible_prefix(text, (CALL_OPEN, *stops), final=True)
-    return (content if content.strip() else None), openai_calls, "tool_calls"
-
-
 def _finish(out: GenerateOutput, stops: tuple[str, ...]) -> tuple[str, str | None]:
     """vLLM's (finish_reason, stop_reason): EOS is ("stop", None), a stop string ("stop", that string)."""
     if out.finish_reason == "length":
@@ -483,46 +347,10 @@ def _timeout(seconds: float) -> APIError:
     return APIError(504, f"request timed out after {seconds:g}s", type="timeout_error", code="timeout")
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
-    """FastAPI's 422 list of problems -> one OpenAI-style 400 naming the first one."""
-    first = exc.errors()[0] if exc.errors() else {}
-    if first.get("type") == "json_invalid":
-        return APIError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}")
-    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-    if not loc:
-        return APIError(400, "request body must be a JSON object")
-    return APIError(400, f"{loc}: {first.get('msg', 'invalid value')}", param=loc)
-
-
 async def _disconnected(request: Request) -> None:
     """Return once the client has gone (the body is already read, so only a disconnect arrives)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
-
-
-def _server_error(exc: Exception) -> APIError:
-    return APIError(500, f"{type(exc).__name__}: {exc}"[:500], type="server_error")
-
-
-def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
-    """Server-sent events: one `data: {json}` per event, an error event if generation fails or times
-    out midway (the status line is already sent), then `data: [DONE]`."""
-
-    async def body() -> AsyncIterator[str]:
-        try:
-            async for event in events:
-                yield f"data: {json.dumps(event)}\n\n"
-        except APIError as exc:
-            yield f"data: {json.dumps(exc.body())}\n\n"
-        except Exception as exc:  # the engine failed mid-stream: tell this client, keep serving the rest
-            yield f"data: {json.dumps(_server_error(exc).body())}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 _TOKENIZE = ThreadPoolExecutor(max_workers=2, thread_name_prefix="agent-r1-tokenize")
@@ -533,65 +361,3 @@ async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
     on the event loop it would freeze every stream and health check meanwhile. The pool is its own, so
     it never takes the threads the engine decodes in."""
     return await asyncio.get_running_loop().run_in_executor(_TOKENIZE, fn, *args)
-
-
-def _check_unicode(body: Any) -> None:
-    """A 400 naming the first string that is not Unicode text: JSON's `\\ud800` escape gives a lone
-    surrogate, which the tokenizer refuses with a TypeError (a 500) and UTF-8 cannot encode."""
-    stack: list[tuple[str, Any]] = [("", body.model_dump())]
-    while stack:  # iterative: content parts may nest deeper than the recursion limit
-        path, value = stack.pop()
-        if isinstance(value, str) and not value.isascii():
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise APIError(
-                    400, f"{path}: text is not valid Unicode (a lone surrogate at character {exc.start})", param=path
-                ) from None
-        elif isinstance(value, dict):
-            stack += [(f"{path}.{k}".lstrip("."), v) for k, v in value.items()]
-            stack += [(path, k) for k in value if isinstance(k, str)]  # keys reach the prompt too (tool schemas)
-        elif isinstance(value, list):
-            stack += [(f"{path}.{i}", v) for i, v in enumerate(value) if isinstance(v, str | dict | list)]
-
-
-class _BodyLimit:
-    """ASGI middleware: a request body over `limit` bytes is a 413. A Content-Length over it is refused
-    before a byte is read; a chunked body is counted as it arrives and refused once it passes the limit,
-    so at most `limit` bytes (plus one chunk) are ever held."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length", b"0")
-        if length.isdigit() and int(length) > self.limit:
-            return await _error_response(self._too_large(f"{int(length)} bytes"))(scope, receive, send)
-        seen = 0
-
-        async def counted() -> ASGIMessage:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise _TooLarge(self._too_large(f"more than {self.limit} bytes"))
-            return message
-
-        await self.app(scope, counted, send)
-
-    def _too_large(self, size: str) -> APIError:
-        return APIError(
-            413, f"the request body ({size}) is over this server's limit of {self.limit} bytes (max_request_mb)",
-            code="request_too_large",
-        )  # fmt: skip
-
-
-class _TooLarge(HTTPException):
-    """Raised while the body is read: FastAPI turns any other exception there into a generic 400, but
-    lets an HTTPException through to the handler, which answers with `error`."""
-
-    def __init__(self, error: APIError) -> None:
-        super().__init__(error.status, error.message)
-        self.error = error

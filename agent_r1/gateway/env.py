@@ -1,0 +1,445 @@
+"""`ProgramEnv`: an agent program written against the OpenAI API, run unchanged as an agent-r1 environment.
+
+`reset(task)` opens an episode on this process's gateway server (agent_r1/gateway/server.py) and starts
+the program: a command line, with `OPENAI_BASE_URL` and `OPENAI_API_KEY` set to the episode's routes and
+key and the task as JSON on its stdin (and in `AGENT_R1_TASK`), or a Python function
+`fn(task, base_url, api_key)` run in a thread. The program's first chat request, rendered with the
+model's chat template, is the first observation. Each `step(action)` sends the sampled answer back as
+that request's chat.completion (content, and `tool_calls` parsed from the hermes `<tool_call>` blocks)
+and waits for the program's next request (the next observation) or its exit (the end of the episode,
+with the reward).
+
+Token-exact across turns: when the next request repeats the previous one's messages and the answer the
+gateway gave, the next prompt is the previous prompt + the sampled ids + the chat template's delta of
+the new messages (tool results, user turns), exactly as `ToolEnv` builds it, so the steps merge into
+one training row. A request whose history was rewritten (a turn dropped or edited, a summary) is
+rendered afresh and starts a row of its own. Sampled ids are never decoded and re-tokenized as if
+sampled. Every step records which it was (`gateway/merged_steps`, `gateway/fresh_steps`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import json
+import os
+import shlex
+import signal
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from agent_r1.env.base import StepResult
+from agent_r1.env.prompt_format import PromptFormat, prompt_format_for
+from agent_r1.env.tool_calls import CALL_CLOSE, ParseError, parse_tool_calls
+from agent_r1.gateway.server import Call, Gateway, Mailbox, gateway
+from agent_r1.models.vision import image_parts
+from agent_r1.serve.messages import chat_result, check_unicode, template_messages, tool_schemas
+from agent_r1.serve.schema import APIError, ChatMessage
+from agent_r1.types import Action, Observation, Termination
+
+# a command line (a string, split like a shell would) or its arguments, or fn(task, base_url, api_key)
+Program = str | Sequence[str] | Callable[[dict[str, Any], str, str], Any]
+STDOUT_KEPT = 2**20  # the program's stdout handed to the reward: its last MiB
+STDERR_KEPT = 2**16  # its stderr: the last 64 KiB, whose end goes into the error of a failed episode
+TASK_ENV_MAX = 2**16  # AGENT_R1_TASK is set when the task's JSON is at most this long (stdin always has it)
+ERROR_TAIL = 360  # characters of stderr (or a function's traceback) in a failed episode's error
+
+
+class ProgramError(RuntimeError):
+    """The agent program failed: it crashed, exited non-zero, timed out, or never called the model. The
+    rollout loop ends the episode as `error` with this message; nothing is trained on it."""
+
+
+@dataclass
+class ProgramOutput:
+    """What the program left behind, for the reward function."""
+
+    exit_code: int  # the command's exit status; 0 for a function that returned
+    stdout: str = ""  # the command's standard output (its last MiB); "" for a function
+    value: Any = None  # the function's return value; None for a command
+    reward: float | None = None  # the last reward the program posted to /episodes/{id}/reward
+
+
+@dataclass
+class Episode:
+    """The episode as the gateway saw it, for the reward function (OpenAI-format messages)."""
+
+    messages: list[dict[str, Any]]  # the program's last request and the gateway's last answer
+    answers: list[dict[str, Any]]  # every answer the gateway gave, in order
+
+
+# (task, episode, output) -> outcome reward, or (reward, {name: value}) to log its parts
+RewardFn = Callable[[dict[str, Any], Episode, ProgramOutput], float | tuple[float, dict[str, float]]]
+
+
+@dataclass
+class _Exit:
+    """The program ended: its exit code, and for a function its return value or its exception."""
+
+    code: int
+    value: Any = None
+    error: str = ""
+
+
+class ProgramEnv:
+    """An agent program as an env, one instance per episode (the `Env` protocol of agent_r1/env/base.py)."""
+
+    def __init__(
+        self,
+        program: Program,
+        prompt_format: PromptFormat,
+        reward: RewardFn | None = None,
+        *,
+        timeout_s: float = 60.0,
+        max_turns: int = 8,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> None:
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if isinstance(program, str):
+            program = shlex.split(program)
+        if not callable(program):
+            program = [str(a) for a in program]
+            if not program:
+                raise ValueError("the agent program's command line is empty")
+        self.program = program
+        self.format = prompt_format
+        self.reward_fn = reward
+        self.timeout_s = timeout_s  # seconds the program may take to its next request or its exit
+        self.max_turns = max_turns
+        self.extra_env = dict(env or {})  # more environment variables for a command
+        self.cwd = cwd
+        self.stop: tuple[str, ...] = tuple(prompt_format.stop)  # the current request's (read before each turn)
+        self.mailbox: Mailbox | None = None
+        self.proc: asyncio.subprocess.Process | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._stdout, self._stderr = bytearray(), bytearray()
+
+    # --- the Env protocol ----------------------------------------------------------------------------
+    async def reset(self, task: dict[str, Any]) -> Observation:
+        """Start the program; its first chat request is the first observation."""
+        self.task, self.turn = task, 0
+        self.answers: list[dict[str, Any]] = []
+        self.history: tuple[list[str], str, str] | None = None  # (request keys, answer key, tools key)
+        self.call: Call | None = None  # the request the policy answers next
+        self.merged = False
+        self.gateway: Gateway = await asyncio.to_thread(gateway)  # started on first use
+        self.mailbox = self.gateway.open()
+        self.base_url, self.api_key = self.gateway.base_url(self.mailbox), self.mailbox.token
+        await self._start(task)
+        event = await self._wait(render=True)
+        if isinstance(event, _Exit):
+            raise ProgramError(self._failure(event))
+        return event
+
+    async def step(self, action: Action) -> StepResult:
+        """Answer the waiting request with the sampled response; then the program's next request, or its exit."""
+        assert self.call is not None, "step() before reset()"
+        self.turn += 1
+        content, calls, finish = chat_result(action.text, self.client_stops, self.tools_on, action.finish_reason)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        # the model's calls, which the program runs: counted as ToolEnv counts them (malformed ones stay content)
+        malformed = sum(isinstance(c, ParseError) for c in parse_tool_calls(action.text)) if self.tools_on else 0
+        counts = {"tool_calls": len(calls), "format_errors": malformed}
+        self.call.reply(self._completion(message, finish, action))
+        self.answers.append(message)
+        self.history = (self.sent, _key(ChatMessage.model_validate(message)), self.sent_tools)
+        self.context = self.prompt + list(action.token_ids)  # what the next prompt extends, token for token
+        self.after_eos = action.finish_reason == "eos"
+        self.call = None
+        event = await self._wait(render=self.turn < self.max_turns)
+        if isinstance(event, _Exit):
+            reward, info = self._end(event)
+            return StepResult(None, reward, True, counts | info)
+        if isinstance(event, Call):  # the turn budget is spent: the episode ends as ToolEnv's does, reward 0
+            event.reply(APIError(400, f"this episode's turn budget (max_turns={self.max_turns}) is spent"))
+            return StepResult(None, 0.0, True, counts | {"termination": Termination.MAX_TURNS})
+        metrics = {"gateway/merged_steps": float(self.merged), "gateway/fresh_steps": float(not self.merged)}
+        return StepResult(event, None, False, counts | {"metrics": metrics})
+
+    async def close(self) -> None:
+        """End the episode however it ended: its routes answer 404, a request still waiting is answered with
+        an error, and the program (with every process of its session) is killed."""
+        if self.mailbox is not None:
+            self.gateway.close(self.mailbox)
+            self.mailbox.closed = True  # on this loop: a request delivered from now on is answered at once
+            while not self.mailbox.inbox.empty():
+                if isinstance(event := self.mailbox.inbox.get_nowait(), Call):
+                    event.reply(self.mailbox.ended())
+            if self.call is not None:
+                self.call.reply(self.mailbox.ended())
+        if self.proc is not None:  # its own session: what it started goes too, even after it exited itself
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(TimeoutError, ProcessLookupError):
+                await asyncio.wait_for(self.proc.wait(), 5)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    # --- the program ---------------------------------------------------------------------------------
+    async def _start(self, task: dict[str, Any]) -> None:
+        payload = json.dumps(task)
+        if callable(self.program):
+            self._start_function(json.loads(payload))
+            return
+        env = {**os.environ, **self.extra_env, "OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key}
+        env["AGENT_R1_EPISODE"], env["AGENT_R1_REWARD_URL"] = self.mailbox.id, self.gateway.reward_url(self.mailbox)
+        no_proxy = env.get("NO_PROXY") or env.get("no_proxy")  # an HTTP proxy must not swallow 127.0.0.1
+        env["NO_PROXY"] = env["no_proxy"] = ",".join(filter(None, [no_proxy, "127.0.0.1", "localhost"]))
+        if len(payload) <= TASK_ENV_MAX:
+            env["AGENT_R1_TASK"] = payload
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.program, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, env=env, cwd=self.cwd, start_new_session=True,
+            )  # fmt: skip
+        except OSError as exc:
+            raise ProgramError(f"cannot start the agent program {shlex.join(self.program)!r}: {exc}") from None
+        readers = [
+            asyncio.create_task(_drain(self.proc.stdout, self._stdout, STDOUT_KEPT)),
+            asyncio.create_task(_drain(self.proc.stderr, self._stderr, STDERR_KEPT)),
+        ]
+        self._tasks = [*readers, asyncio.create_task(self._feed(payload)), asyncio.create_task(self._watch(readers))]
+
+    def _start_function(self, task: dict[str, Any]) -> None:
+        fn, mailbox, base_url, key = self.program, self.mailbox, self.base_url, self.api_key
+
+        def run() -> None:
+            try:
+                result = _Exit(0, value=fn(task, base_url, key))
+            except SystemExit as exc:
+                result = _Exit(exc.code if isinstance(exc.code, int) else int(exc.code is not None))
+            except BaseException as exc:  # the program's own exception is its episode's error, never the trainer's
+                result = _Exit(1, error="".join(traceback.format_exception(exc)))
+            mailbox.put(result)
+
+        threading.Thread(target=run, daemon=True, name=f"agent-r1-program-{mailbox.id[:8]}").start()
+
+    async def _feed(self, payload: str) -> None:
+        """The task as one JSON line on stdin; a program that does not read it is fine."""
+        stdin = self.proc.stdin
+        with contextlib.suppress(OSError):  # a broken pipe: it exited or closed its stdin
+            stdin.write(payload.encode() + b"\n")
+            await stdin.drain()
+        with contextlib.suppress(OSError):
+            stdin.close()
+
+    async def _watch(self, readers: list[asyncio.Task]) -> None:
+        code = await self.proc.wait()
+        await asyncio.wait(readers, timeout=1.0)  # what it wrote last (a child that keeps the pipe is not waited for)
+        self.mailbox.put(_Exit(code))
+
+    async def _wait(self, render: bool) -> Observation | Call | _Exit:
+        """The program's next request (rendered into an observation when `render`) or its exit, within
+        `timeout_s`. A request that cannot be rendered is answered with a 400 naming why, and waited past."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        while True:
+            try:
+                event = await asyncio.wait_for(self.mailbox.inbox.get(), deadline - loop.time())
+            except TimeoutError:
+                raise ProgramError(
+                    f"the agent program neither called the model nor exited within timeout_s={self.timeout_s:g}s"
+                    + self._tail(self._written())
+                ) from None
+            if isinstance(event, _Exit) or not render:
+                return event
+            try:
+                return self._observe(event)
+            except APIError as exc:
+                event.reply(exc)
+
+    # --- requests and answers ------------------------------------------------------------------------
+    def _observe(self, call: Call) -> Observation:
+        """The prompt ids of a chat request: the previous context extended by the new messages' delta when the
+        request repeats the history, else the whole conversation rendered afresh."""
+        body = call.body
+        check_unicode(body)
+        tools = tool_schemas(body.tools) if body.tools and body.tool_choice != "none" else []
+        messages = template_messages(body.messages, tools)  # checks every message: a 400 names the first bad one
+        pictures = sum(len(image_parts(m)) for m in messages)
+        if pictures and getattr(self.format, "encoder", None) is None:
+            raise APIError(400, f"the request has {pictures} image(s) but the policy reads text only", param="messages")
+        tools_key = json.dumps(tools, sort_keys=True)
+        new = self._new_messages(body.messages, tools_key, bool(tools))
+        try:
+            if new is not None:
+                delta = template_messages(new, [])
+                ids = self.context + self.format.continuation(delta, after_eos=self.after_eos)
+                images = self.images + self.format.images(delta)
+            else:
+                ids, images = self.format.initial(messages), self.format.images(messages)
+        except ValueError as exc:  # images the template and the messages disagree on, an unreadable image
+            raise APIError(400, str(exc), param="messages") from None
+        self.call, self.prompt, self.images, self.merged = call, ids, images, new is not None
+        self.sent, self.sent_tools = [_key(m) for m in body.messages], tools_key
+        self.request_messages, self.tools_on = body.messages, bool(tools)
+        self.client_stops = body.stops + tuple(self.format.stop)  # where the answer's visible text ends
+        one_call = tools and not body.parallel_tool_calls  # stop after the first call, as ToolEnv does
+        self.stop = ((CALL_CLOSE,) if one_call else ()) + body.stops + tuple(self.format.stop)
+        return Observation(token_ids=list(ids), images=list(images))
+
+    def _new_messages(self, messages: list[ChatMessage], tools_key: str, tools: bool) -> list[ChatMessage] | None:
+        """The messages after the previous request's and the gateway's answer, when `messages` starts with
+        exactly those (same tools); None when the history was rewritten."""
+        if self.history is None:
+            return None
+        sent, answer, sent_tools = self.history
+        n = len(sent)
+        if tools_key != sent_tools or len(messages) <= n or _key(messages[n]) != answer:
+            return None
+        if [_key(m) for m in messages[:n]] != sent:
+            return None
+        new = messages[n + 1 :]
+        if tools and any(m.role in ("system", "developer") for m in new):
+            return None  # with tools, a system message joins the tools system prompt at the top: not an append
+        return new
+
+    def _completion(self, message: dict[str, Any], finish: str, action: Action) -> dict[str, Any]:
+        body = self.call.body
+        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        if body.logprobs:
+            decode = self.format.tokenizer.decode
+            pairs = zip(action.token_ids, action.logprobs, strict=True)
+            content = [{"token": decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []} for t, lp in pairs]
+            choice["logprobs"] = {"content": content}
+        p, c = len(self.prompt), len(action.token_ids)
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": body.model, "choices": [choice],
+            "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
+        }  # fmt: skip
+
+    # --- the end -------------------------------------------------------------------------------------
+    def _end(self, end: _Exit) -> tuple[float | None, dict[str, Any]]:
+        """The program exited after an answer: the outcome reward and the step's info, or an error if it failed."""
+        if end.code != 0 or end.error:
+            raise ProgramError(self._failure(end))
+        stdout = self._stdout.decode(errors="replace")
+        output = ProgramOutput(end.code, stdout, end.value, self.mailbox.reward)
+        info: dict[str, Any] = {"termination": Termination.ANSWERED}
+        if self.reward_fn is None:  # the reward the program posted, if any (none: 0)
+            return output.reward, info
+        last = [m.model_dump(exclude_none=True) for m in self.request_messages] + self.answers[-1:]
+        result = self.reward_fn(self.task, Episode(last, list(self.answers)), output)
+        value, parts = result if isinstance(result, tuple) else (result, {})
+        return float(value), info | {"reward_parts": dict(parts)}
+
+    def _failure(self, end: _Exit) -> str:
+        if end.error:
+            return "the agent program raised" + self._tail(end.error.strip())
+        if end.code < 0:
+            what = f"the agent program was killed by signal {-end.code}"
+        elif end.code:
+            what = f"the agent program exited with code {end.code}"
+        else:
+            what = "the agent program exited without calling the model"
+        return what + self._tail(self._written())
+
+    def _written(self) -> str:
+        """What the command wrote, for its error: its stderr, or its stdout when that is empty."""
+        return self._stderr.decode(errors="replace").strip() or self._stdout.decode(errors="replace")
+
+    @staticmethod
+    def _tail(text: str) -> str:
+        """The end of what the program wrote (stderr, a traceback), which the episode's error shows."""
+        text = text.strip()
+        if not text:
+            return ""
+        return f"; it wrote: {'...' if len(text) > ERROR_TAIL else ''}{text[-ERROR_TAIL:]}"
+
+
+async def _drain(stream: asyncio.StreamReader, into: bytearray, keep: int) -> None:
+    """Read a pipe to its end (a full pipe would block the program), keeping its last `keep` bytes."""
+    while chunk := await stream.read(65536):
+        into += chunk
+        if len(into) > keep:
+            del into[: len(into) - keep]
+
+
+def _key(m: ChatMessage) -> str:
+    """What of a message reaches the prompt, to tell a repeated history from a rewritten one: the role, the
+    content (an assistant's text with its ends stripped) and the tool calls with their arguments as parsed
+    JSON (whitespace and key order do not count). Call ids never reach the prompt."""
+    content: Any = m.content
+    if m.role == "assistant" and isinstance(content, list):
+        content = "".join(str(p.get("text", "")) for p in content if p.get("type") == "text")
+    if m.role == "assistant":
+        content = (content or "").strip()
+    calls = [[c.function.name, _json(c.function.arguments)] for c in m.tool_calls or []]
+    return json.dumps([m.role, content or "", calls], sort_keys=True)
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+
+
+def import_path(path: str, what: str) -> Callable[..., Any]:
+    """The function an import path `pkg.module:function` names (the working directory is on the module
+    path, as for task names). A path that names nothing callable is a one-line ValueError."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{what} must be an import path like my_pkg.my_module:my_function, got {path!r}")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"{what}={path!r} cannot be imported: {exc}") from None
+    if not callable(fn):
+        raise ValueError(f"{what}={path!r} is not callable")
+    return fn
+
+
+@dataclass(frozen=True)
+class ProgramEnvFactory:
+    """`make_env()` for the rollout loop: a fresh `ProgramEnv` per episode. It pickles (Ray workers, other
+    processes) when the program and the reward are a command line, import paths or module-level functions;
+    each process starts its own gateway server on first use."""
+
+    tokenizer: Any  # the policy's tokenizer (or a vision-language model's processor)
+    command: str | tuple[str, ...] | None = None  # the program as a command line, or its arguments
+    function: str | Callable[..., Any] | None = None  # or fn(task, base_url, api_key), or its import path
+    reward: str | RewardFn | None = None  # reward(task, episode, output), or its import path; None: posted
+    timeout_s: float = 60.0
+    max_turns: int = 8
+    chat: bool | None = None  # the chat template (None: when the tokenizer has one) or plain text
+    env: tuple[tuple[str, str], ...] = ()  # more environment variables for a command
+    cwd: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.command is None) == (self.function is None):
+            raise ValueError("give the agent program as exactly one of command or function")
+        if isinstance(self.command, list):
+            object.__setattr__(self, "command", tuple(self.command))
+        for what, path in (("function", self.function), ("reward", self.reward)):
+            if isinstance(path, str):
+                import_path(path, what)  # a typo fails here, not in the first episode
+
+    def __call__(self) -> ProgramEnv:
+        fn = import_path(self.function, "function") if isinstance(self.function, str) else self.function
+        reward = import_path(self.reward, "reward") if isinstance(self.reward, str) else self.reward
+        return ProgramEnv(
+            self.command if self.command is not None else fn, prompt_format_for(self.tokenizer, chat=self.chat),
+            reward, timeout_s=self.timeout_s, max_turns=self.max_turns, env=dict(self.env), cwd=self.cwd,
+        )  # fmt: skip
+
+
+__all__ = ["Episode", "ProgramEnv", "ProgramEnvFactory", "ProgramError", "ProgramOutput", "import_path"]

@@ -1,0 +1,245 @@
+"""The gateway's HTTP side: one OpenAI-compatible server per process, with routes scoped to an episode.
+
+    POST /episodes/{episode_id}/v1/chat/completions   the agent program asks the policy (one request at a time)
+    GET  /episodes/{episode_id}/v1/models             one model card (any model name is accepted)
+    POST /episodes/{episode_id}/reward                the program reports its reward: {"reward": float}
+    GET  /health
+
+The server is started on first use, on 127.0.0.1 and a free port, in a daemon thread with its own event
+loop, and is shared by every episode of the process. It does no model work: a chat request is checked
+(episode, API key, `n`, `tool_choice`, one request in flight) and handed to the episode's `ProgramEnv`
+through its `Mailbox`. The env renders it into the next observation, the rollout loop samples, and the
+env's answer is what this request returns. Every failure is an OpenAI-style `{"error": {...}}` body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import secrets
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from agent_r1.serve.http import install_error_handlers, sse
+from agent_r1.serve.schema import APIError, ChatCompletionRequest
+
+MODEL_NAME = "agent-r1-policy"  # what /v1/models lists; a request may name any model, it is the policy either way
+
+
+class GatewayChatRequest(ChatCompletionRequest):
+    """A chat request as the SDKs send it; `n` and `tool_choice` are checked with messages that say why."""
+
+    n: int = 1
+    tool_choice: Any = None
+    # true: the model's turn ends when it ends it, with every call it wrote; false or absent: at its first call's
+    # end, as ToolEnv samples (a model that learned to stop there would otherwise run on into a made-up result)
+    parallel_tool_calls: bool | None = None
+
+
+class RewardReport(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reward: float = Field(allow_inf_nan=False)
+
+
+@dataclass
+class Call:
+    """One chat request waiting for the policy's answer: a chat.completion dict, or an APIError."""
+
+    body: GatewayChatRequest
+    answer: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+    def reply(self, result: dict[str, Any] | APIError) -> None:
+        """Answer once; a request whose client went away (its future cancelled) is answered into the void."""
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            self.answer.set_result(result)
+
+
+@dataclass
+class Mailbox:
+    """One episode's link between the server thread and the env's event loop."""
+
+    id: str
+    token: str  # the program's OPENAI_API_KEY: only the episode's own program is answered
+    loop: asyncio.AbstractEventLoop  # the env's loop; `inbox` belongs to it
+    inbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # Call, or the env's own events (program exit)
+    busy: bool = False  # a chat request is in flight (read and written on the server's loop only)
+    reward: float | None = None  # the last reward the program posted
+    closed: bool = False  # the env closed the episode (read and written on the env's loop only)
+
+    def put(self, event: Any) -> bool:
+        """Deliver `event` to the env from any thread; False once the env's loop is gone."""
+        try:
+            self.loop.call_soon_threadsafe(self._deliver, event)
+        except RuntimeError:  # the loop is closed: the episode is over
+            return False
+        return True
+
+    def _deliver(self, event: Any) -> None:
+        if not self.closed:
+            self.inbox.put_nowait(event)
+        elif isinstance(event, Call):  # it arrived as the episode closed: answered, never left waiting
+            event.reply(self.ended())
+
+    def ended(self) -> APIError:
+        return APIError(410, f"episode {self.id!r} has ended", code="episode_ended")
+
+
+class Gateway:
+    """The process's gateway server and its open episodes."""
+
+    def __init__(self) -> None:
+        self._mailboxes: dict[str, Mailbox] = {}
+        self._lock = threading.Lock()
+        sock = socket.create_server(("127.0.0.1", 0))
+        self.port: int = sock.getsockname()[1]
+        config = uvicorn.Config(create_app(self), log_level="warning", access_log=False, timeout_graceful_shutdown=1)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [sock]}, daemon=True, name="agent-r1-gateway"
+        )
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the agent-r1 gateway server did not start")
+            time.sleep(0.005)
+
+    def base_url(self, mailbox: Mailbox) -> str:
+        """The OPENAI_BASE_URL of an episode."""
+        return f"http://127.0.0.1:{self.port}/episodes/{mailbox.id}/v1"
+
+    def reward_url(self, mailbox: Mailbox) -> str:
+        """Where the program may POST {"reward": float}."""
+        return f"http://127.0.0.1:{self.port}/episodes/{mailbox.id}/reward"
+
+    def open(self) -> Mailbox:
+        """Register a new episode, bound to the calling coroutine's event loop."""
+        mailbox = Mailbox(uuid.uuid4().hex, secrets.token_urlsafe(24), asyncio.get_running_loop())
+        with self._lock:
+            self._mailboxes[mailbox.id] = mailbox
+        return mailbox
+
+    def close(self, mailbox: Mailbox) -> None:
+        """Forget an episode: its routes answer 404 from now on."""
+        with self._lock:
+            self._mailboxes.pop(mailbox.id, None)
+
+    def mailbox(self, episode_id: str, request: Request) -> Mailbox:
+        """The open episode `episode_id`, if the request carries its API key; else a 404 or a 401."""
+        with self._lock:
+            mailbox = self._mailboxes.get(episode_id)
+        if mailbox is None:
+            raise APIError(
+                404, f"unknown episode {episode_id!r}: it has ended or never existed", code="episode_not_found"
+            )
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip(), mailbox.token):
+            raise APIError(
+                401, f"wrong API key for episode {episode_id!r}: send the OPENAI_API_KEY the gateway gave the program",
+                type="authentication_error", code="invalid_api_key",
+            )  # fmt: skip
+        return mailbox
+
+
+_GATEWAY: Gateway | None = None
+_GATEWAY_PID = 0
+_START = threading.Lock()
+
+
+def gateway() -> Gateway:
+    """This process's gateway server, started on first use (again in a forked child, whose copy has no thread)."""
+    global _GATEWAY, _GATEWAY_PID
+    with _START:
+        if _GATEWAY is None or os.getpid() != _GATEWAY_PID:
+            _GATEWAY, _GATEWAY_PID = Gateway(), os.getpid()
+        return _GATEWAY
+
+
+def create_app(gw: Gateway) -> FastAPI:
+    app = FastAPI(title="agent-r1 gateway", summary="an agent program's OpenAI API, answered by the policy in training")
+    install_error_handlers(app, 8 * 2**20)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "episodes": len(gw._mailboxes)}
+
+    @app.get("/episodes/{episode_id}/v1/models")
+    async def models(episode_id: str, request: Request) -> dict[str, Any]:
+        gw.mailbox(episode_id, request)
+        card = {"id": MODEL_NAME, "object": "model", "created": 0, "owned_by": "agent-r1"}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/episodes/{episode_id}/reward")
+    async def reward(episode_id: str, body: RewardReport, request: Request) -> dict[str, Any]:
+        gw.mailbox(episode_id, request).reward = body.reward
+        return {"reward": body.reward}
+
+    @app.post("/episodes/{episode_id}/v1/chat/completions")
+    async def chat(episode_id: str, body: GatewayChatRequest, request: Request) -> Any:
+        mailbox = gw.mailbox(episode_id, request)
+        _check(body)
+        if mailbox.busy:
+            raise APIError(
+                409, f"episode {episode_id!r} already has a chat request in flight: an episode asks the policy one "
+                "request at a time (each request is one step), so wait for the answer before sending the next",
+                code="request_in_flight",
+            )  # fmt: skip
+        call = Call(body)
+        mailbox.busy = True
+        try:
+            if not mailbox.put(call):
+                raise APIError(404, f"unknown episode {episode_id!r}: it has ended", code="episode_not_found")
+            result = await asyncio.wrap_future(call.answer)
+        finally:
+            mailbox.busy = False
+        if isinstance(result, APIError):
+            raise result
+        return sse(_chunks(result)) if body.stream else result
+
+    return app
+
+
+def _check(body: GatewayChatRequest) -> None:
+    """What the gateway refuses before the episode sees the request: a 400 naming the field and why."""
+    if body.n != 1:
+        raise APIError(
+            400, f"n={body.n} is not supported: the gateway samples exactly one answer per request, because each "
+            "request is one step of the episode (one action of the step-level MDP); send n=1 or leave n out",
+            param="n",
+        )  # fmt: skip
+    if body.tool_choice not in (None, "auto", "none"):
+        raise APIError(
+            400, f"tool_choice={body.tool_choice!r} is not supported: the gateway cannot force a tool call (the "
+            "policy samples freely, with no constrained decoding); use tool_choice 'auto' or 'none', or leave it out",
+            param="tool_choice",
+        )  # fmt: skip
+
+
+async def _chunks(completion: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """A whole chat.completion as OpenAI's stream of chat.completion.chunk events: the role, the content,
+    the tool calls (each whole, with its index), then the finish reason."""
+    head = {k: completion[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    choice = completion["choices"][0]
+    message = choice["message"]
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return head | {"choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+    yield chunk({"role": "assistant", "content": ""})
+    if message.get("content"):
+        yield chunk({"content": message["content"]})
+    if message.get("tool_calls"):
+        yield chunk({"tool_calls": [c | {"index": k} for k, c in enumerate(message["tool_calls"])]})
+    yield chunk({}, choice["finish_reason"])

@@ -1,0 +1,116 @@
+"""The HTTP plumbing of agent-r1's OpenAI-compatible servers (`agent-r1 serve` and the gateway): every failure
+as an OpenAI-style `{"error": {...}}` body, a request-body size limit, and server-sent events."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Message as ASGIMessage
+
+from agent_r1.serve.schema import APIError
+
+
+def install_error_handlers(app: FastAPI, max_request_bytes: int) -> None:
+    """Bad input becomes a 4xx with an OpenAI-style body, anything else a 500 naming the exception, and a
+    body over `max_request_bytes` a 413 before it is read whole."""
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return error_response(exc.error if isinstance(exc, TooLarge) else APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(server_error(exc))
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """FastAPI's 422 list of problems -> one OpenAI-style 400 naming the first one."""
+    first = exc.errors()[0] if exc.errors() else {}
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}")
+    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    if not loc:
+        return APIError(400, "request body must be a JSON object")
+    return APIError(400, f"{loc}: {first.get('msg', 'invalid value')}", param=loc)
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def server_error(exc: Exception) -> APIError:
+    return APIError(500, f"{type(exc).__name__}: {exc}"[:500], type="server_error")
+
+
+def sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    """Server-sent events: one `data: {json}` per event, an error event if generation fails or times
+    out midway (the status line is already sent), then `data: [DONE]`."""
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event)}\n\n"
+        except APIError as exc:
+            yield f"data: {json.dumps(exc.body())}\n\n"
+        except Exception as exc:  # the engine failed mid-stream: tell this client, keep serving the rest
+            yield f"data: {json.dumps(server_error(exc).body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is a 413. A Content-Length over it is refused
+    before a byte is read; a chunked body is counted as it arrives and refused once it passes the limit,
+    so at most `limit` bytes (plus one chunk) are ever held."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.limit:
+            return await error_response(self._too_large(f"{int(length)} bytes"))(scope, receive, send)
+        seen = 0
+
+        async def counted() -> ASGIMessage:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise TooLarge(self._too_large(f"more than {self.limit} bytes"))
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _too_large(self, size: str) -> APIError:
+        return APIError(
+            413, f"the request body ({size}) is over this server's limit of {self.limit} bytes (max_request_mb)",
+            code="request_too_large",
+        )  # fmt: skip
+
+
+class TooLarge(HTTPException):
+    """Raised while the body is read: FastAPI turns any other exception there into a generic 400, but
+    lets an HTTPException through to the handler, which answers with `error`."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.status, error.message)
+        self.error = error

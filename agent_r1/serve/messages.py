@@ -1,0 +1,150 @@
+"""OpenAI chat requests <-> the hermes tool-calling format `ToolEnv` trains with: shared by `agent-r1 serve`
+and the gateway (agent_r1/gateway), so a request is rendered, and an answer turned into `tool_calls`, the
+same way in both.
+
+* `template_messages`: OpenAI messages (system, user, assistant with `tool_calls`, tool results) -> the
+  messages `ToolEnv` would have built: one system prompt listing the tools, calls as `<tool_call>` blocks,
+  consecutive tool results as one user turn of `<tool_response>` blocks.
+* `chat_result`: one sampled response -> (content, OpenAI `tool_calls`, finish_reason).
+* `tool_schemas`, `check_unicode`: the request's tools and strings checked, a 400 naming the first bad one.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import jsonschema
+
+from agent_r1.env.tool_calls import (
+    CALL_OPEN,
+    ParsedCall,
+    format_tool_call,
+    format_tool_responses,
+    parse_tool_calls,
+    tools_system_prompt,
+)
+from agent_r1.rollout.text_stream import visible_prefix
+from agent_r1.serve.schema import APIError, ChatMessage, ToolSpec
+from agent_r1.tools import Tool
+from agent_r1.types import Message
+
+
+def template_messages(messages: list[ChatMessage], tools: list[dict]) -> list[Message]:
+    """OpenAI messages -> the messages `ToolEnv` would have built: one system prompt listing the tools,
+    assistant calls as hermes `<tool_call>` blocks, and consecutive tool results as one user turn."""
+    out: list[Message] = []
+    system: list[str] = []
+    results: list[str] = []
+    shown: list[list[str]] = []  # per tool result, its images
+    for i, m in enumerate(messages):
+        if results and m.role != "tool":
+            out.append({"role": "user", "content": format_tool_responses(results, shown)})
+            results, shown = [], []
+        text = message_text(m, i, images=m.role in ("user", "tool"))
+        if m.role == "tool":
+            results.append(text)
+            shown.append(message_images(m))
+        elif m.role in ("system", "developer") and tools:
+            system.append(text)  # becomes the instructions of the tools system prompt
+        elif m.role in ("system", "developer"):
+            out.append({"role": "system", "content": text})
+        elif m.role == "assistant":
+            calls = [format_tool_call(c.function.name, _arguments(c.function.arguments, i)) for c in m.tool_calls or []]
+            out.append({"role": "assistant", "content": "\n".join(([text] if text else []) + calls)})
+        else:
+            images = [{"type": "image", "image": url} for url in message_images(m)]
+            out.append({"role": "user", "content": [*images, {"type": "text", "text": text}] if images else text})
+    if results:
+        out.append({"role": "user", "content": format_tool_responses(results, shown)})
+    if tools:
+        out.insert(0, {"role": "system", "content": tools_system_prompt(tools, "\n\n".join(system))})
+    return out
+
+
+def message_text(m: ChatMessage, i: int, images: bool = False) -> str:
+    """The text of a message; `images`: its image_url parts are allowed (user and tool messages), and
+    each must be a data URL (a server that fetched URLs would reach wherever a client points it)."""
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    allowed = ("text", "image_url") if images else ("text",)
+    if any(part.get("type") not in allowed for part in m.content):
+        what = "text and image_url" if images else "text"
+        raise APIError(400, f"only {what} content parts are supported here", param=f"messages[{i}].content")
+    if any(not str(url).startswith("data:") for url in message_images(m)):
+        raise APIError(400, "an image_url must be a data: URL (base64)", param=f"messages[{i}].content")
+    return "".join(str(part.get("text", "")) for part in m.content if part.get("type") == "text")
+
+
+def message_images(m: ChatMessage) -> list[str]:
+    """The image URLs of a message's image_url parts, in order (images go before its text)."""
+    if not isinstance(m.content, list):
+        return []
+    return [str(url.get("url") if isinstance(url, dict) else url) for p in m.content if (url := p.get("image_url"))]
+
+
+def _arguments(arguments: str, i: int) -> Any:
+    try:
+        return json.loads(arguments)
+    except (ValueError, RecursionError):  # not JSON, a number of more than 4300 digits, nesting too deep
+        raise APIError(400, "tool call arguments must be a JSON string", param=f"messages[{i}].tool_calls") from None
+
+
+def tool_schemas(specs: list[ToolSpec]) -> list[dict]:
+    """Validate client tools like our own: a valid name and an object JSON schema (they run client-side)."""
+    schemas = []
+    for i, spec in enumerate(specs):
+        f = spec.function
+        try:
+            if f.parameters.get("type") != "object":
+                raise ValueError('parameters must be a JSON schema with "type": "object"')
+            schemas.append(Tool(f.name, f.description, f.parameters, fn=_runs_on_client).schema)
+        except (ValueError, TypeError, jsonschema.SchemaError) as exc:  # TypeError: `$schema` is not a string
+            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise APIError(400, f"invalid tool {f.name!r}: {message}", param=f"tools[{i}]") from None
+    return schemas
+
+
+def _runs_on_client(**_: Any) -> None:
+    raise RuntimeError("tools given in a request are called by the client, never by the server")
+
+
+def chat_result(text: str, stops: tuple[str, ...], tools: bool, finish: str) -> tuple[str | None, list, str]:
+    """(content, OpenAI tool_calls, finish_reason) of one response; a malformed call stays content."""
+    calls = [c for c in parse_tool_calls(text) if isinstance(c, ParsedCall)] if tools else []
+    if not calls:
+        return visible_prefix(text, stops, final=True), [], "length" if finish == "length" else "stop"
+    openai_calls = [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {
+                "name": c.name,
+                "arguments": c.arguments if isinstance(c.arguments, str) else json.dumps(c.arguments),
+            },
+        }
+        for c in calls
+    ]
+    content = visible_prefix(text, (CALL_OPEN, *stops), final=True)
+    return (content if content.strip() else None), openai_calls, "tool_calls"
+
+
+def check_unicode(body: Any) -> None:
+    """A 400 naming the first string that is not Unicode text: JSON's `\\ud800` escape gives a lone
+    surrogate, which the tokenizer refuses with a TypeError (a 500) and UTF-8 cannot encode."""
+    stack: list[tuple[str, Any]] = [("", body.model_dump())]
+    while stack:  # iterative: content parts may nest deeper than the recursion limit
+        path, value = stack.pop()
+        if isinstance(value, str) and not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise APIError(
+                    400, f"{path}: text is not valid Unicode (a lone surrogate at character {exc.start})", param=path
+                ) from None
+        elif isinstance(value, dict):
+            stack += [(f"{path}.{k}".lstrip("."), v) for k, v in value.items()]
+            stack += [(path, k) for k in value if isinstance(k, str)]  # keys reach the prompt too (tool schemas)
+        elif isinstance(value, list):
+            stack += [(f"{path}.{i}", v) for i, v in enumerate(value) if isinstance(v, str | dict | list)]

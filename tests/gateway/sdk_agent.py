@@ -1,0 +1,74 @@
+"""An agent written with the plain OpenAI SDK, as a user would write it: a calculator tool loop.
+
+It knows nothing of agent-r1. The gateway tests run it as a command (`python sdk_agent.py`, the task as
+a JSON line on stdin, OPENAI_BASE_URL and OPENAI_API_KEY from the environment) and as a function (`run`).
+With `--rewrite` it drops its earlier assistant turns from the history it sends, as agents that trim or
+summarise their context do.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import sys
+
+from openai import OpenAI
+
+# agent-r1's own calculator schema, written out (tests/gateway/test_env.py checks that they agree)
+CALCULATOR = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression and return the result.\n\n"
+        "Supports numbers, + - * / // % ** and parentheses (no variables or functions).",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "expression": {
+                    "type": "string",
+                    "description": 'The arithmetic expression, for example "(48 / 2) * 3 + 1".',
+                }
+            },
+            "required": ["expression"],
+        },
+    },
+}
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def calculate(expression: str) -> str:
+    def value(node: ast.AST) -> float:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.left), value(node.right))
+        raise ValueError("unsupported expression")
+
+    try:
+        result = value(ast.parse(expression, mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError) as exc:
+        return f"Error: {exc}"
+    return str(int(result)) if float(result).is_integer() else str(result)
+
+
+def run(task: dict, base_url: str | None = None, api_key: str | None = None, rewrite: bool = False) -> str:
+    """Ask, run the calculator for every call, ask again, until the model answers; return the answer."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages: list[dict] = [{"role": "user", "content": task["question"]}]
+    for _ in range(4):
+        reply = client.chat.completions.create(model="gpt-4o-mini", messages=messages, tools=[CALCULATOR])
+        message = reply.choices[0].message
+        if not message.tool_calls:
+            return message.content or ""
+        messages.append(message.model_dump(exclude_none=True))  # the SDK's own message, sent back as it came
+        for call in message.tool_calls:
+            expression = json.loads(call.function.arguments).get("expression", "")
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(expression)})
+        if rewrite:
+            messages = [m for m in messages if m["role"] != "assistant"]
+    return ""
+
+
+if __name__ == "__main__":
+    print(run(json.loads(sys.stdin.readline()), rewrite="--rewrite" in sys.argv))

@@ -1,0 +1,166 @@
+"""The gateway's HTTP side, driven by programs written with the OpenAI SDK and by raw requests, with the env
+stepped by hand (scripted answers): refusals that name what is wrong, one request in flight, streamed tool
+calls, a history re-sent with other JSON whitespace still extending the prompt, tool_choice, the turn cap
+and a posted reward."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+from openai import OpenAI
+
+from agent_r1.env.prompt_format import ChatFormat
+from agent_r1.env.tool_calls import CALL_CLOSE, format_tool_call, format_tool_responses
+from agent_r1.gateway import ProgramEnv, gateway
+from agent_r1.types import Action, Termination
+from tests.gateway.sdk_agent import CALCULATOR
+
+
+def say(tokenizer, text: str, finish: str = "stop") -> Action:
+    """A scripted answer: `text` as the ids a model would have sampled (with its end-of-turn id for "eos")."""
+    ids = tokenizer.encode(text, add_special_tokens=False) + ([tokenizer.eos_token_id] if finish == "eos" else [])
+    return Action(ids, [0.0] * len(ids), text, finish)
+
+
+def ask_once(task, base_url, api_key):
+    reply = OpenAI(base_url=base_url, api_key=api_key, max_retries=0).chat.completions.create(
+        model="any-model-name", messages=[{"role": "user", "content": "hi"}]
+    )
+    return reply.choices[0].message.content
+
+
+async def test_refusals_name_what_is_wrong_and_one_request_is_in_flight(tokenizer):
+    env = ProgramEnv(ask_once, ChatFormat(tokenizer), reward=lambda task, episode, output: float(output.value == "hi!"))
+    await env.reset({})  # the program's request is in flight now: the env has not answered it
+    url, auth = f"{env.base_url}/chat/completions", {"Authorization": f"Bearer {env.api_key}"}
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    async with httpx.AsyncClient() as http:
+        second = await http.post(url, json=body, headers=auth)
+        assert second.status_code == 409 and "in flight" in second.json()["error"]["message"]
+        n = await http.post(url, json=body | {"n": 2}, headers=auth)
+        assert n.status_code == 400 and n.json()["error"]["param"] == "n"
+        assert "n=2" in n.json()["error"]["message"] and "one answer per request" in n.json()["error"]["message"]
+        for choice in ("required", {"type": "function", "function": {"name": "calculator"}}):
+            forced = await http.post(url, json=body | {"tool_choice": choice}, headers=auth)
+            assert forced.status_code == 400 and forced.json()["error"]["param"] == "tool_choice"
+        wrong_key = await http.post(url, json=body, headers={"Authorization": "Bearer nope"})
+        assert wrong_key.status_code == 401
+        port = gateway().port
+        unknown = await http.post(f"http://127.0.0.1:{port}/episodes/no-such-episode/v1/chat/completions", json=body)
+        assert unknown.status_code == 404 and "no-such-episode" in unknown.json()["error"]["message"]
+        models = await http.get(f"{env.base_url}/models", headers=auth)
+        assert models.status_code == 200 and models.json()["data"][0]["id"]
+    result = await env.step(say(tokenizer, "hi!", "eos"))
+    assert result.done and result.reward == 1.0 and result.info["termination"] == Termination.ANSWERED
+    await env.close()
+    async with httpx.AsyncClient() as http:  # the episode is over: its routes are gone
+        gone = await http.post(url, json=body, headers=auth)
+        assert gone.status_code == 404
+
+
+def streamed_tool_loop(task, base_url, api_key):
+    """Streams the first answer (two tool calls), then sends the history back with the calls' arguments
+    re-serialised (other whitespace, other key order) and the tool results."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": "What are 6 * 7 and 1 + 6?"}]
+    stream = client.chat.completions.create(
+        model="m", messages=messages, tools=[CALCULATOR], parallel_tool_calls=True, stream=True
+    )
+    content, calls = "", {}
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for c in delta.tool_calls or []:
+            blank = {"id": c.id, "type": "function", "function": {"name": "", "arguments": ""}}
+            call = calls.setdefault(c.index, blank)
+            call["function"]["name"] += c.function.name or ""
+            call["function"]["arguments"] += c.function.arguments or ""
+    tool_calls = [calls[k] for k in sorted(calls)]
+    for c in tool_calls:
+        c["function"]["arguments"] = json.dumps(json.loads(c["function"]["arguments"]), indent=2, sort_keys=True)
+    messages.append({"role": "assistant", "content": content, "tool_calls": tool_calls})
+    for c, result in zip(tool_calls, ("42", "7"), strict=True):
+        messages.append({"role": "tool", "tool_call_id": c["id"], "content": result})
+    reply = client.chat.completions.create(model="m", messages=messages, tools=[CALCULATOR])
+    return {"first": [content, tool_calls], "answer": reply.choices[0].message.content}
+
+
+async def test_streamed_calls_and_a_repeated_history_extend_the_prompt(tokenizer):
+    fmt, seen = ChatFormat(tokenizer), {}
+    env = ProgramEnv(streamed_tool_loop, fmt, reward=lambda task, episode, output: seen.update(vars(output)) or 0.5)
+    first = await env.reset({})
+    assert CALL_CLOSE not in env.stop  # parallel_tool_calls=true: the model ends its turn itself
+    calls = format_tool_call("calculator", {"expression": "6 * 7"}) + "\n"
+    calls += format_tool_call("calculator", {"expression": "1 + 6"})
+    act = say(tokenizer, "Two sums.\n" + calls)
+    second = await env.step(act)
+    assert not second.done and second.info["metrics"] == {"gateway/merged_steps": 1.0, "gateway/fresh_steps": 0.0}
+    results = [{"role": "user", "content": format_tool_responses(["42", "7"])}]
+    assert second.observation.token_ids == first.token_ids + act.token_ids + fmt.continuation(results, False)
+    assert CALL_CLOSE in env.stop  # the second request leaves parallel_tool_calls out: one call per turn
+    end = await env.step(say(tokenizer, "42 and 7.", "eos"))
+    assert end.done and end.reward == 0.5 and end.info["termination"] == Termination.ANSWERED
+    await env.close()
+    content, tool_calls = seen["value"]["first"]  # what the program assembled from the stream
+    assert content == "Two sums.\n" and seen["value"]["answer"] == "42 and 7."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in tool_calls] == [
+        ("calculator", {"expression": "6 * 7"}), ("calculator", {"expression": "1 + 6"}),
+    ]  # fmt: skip
+    assert seen["exit_code"] == 0 and seen["reward"] is None
+
+
+def edit_then_ask(task, base_url, api_key):
+    """Asks, then sends the history back with its answer edited, then with no tools and tool_choice none."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": "Hello"}]
+    answer = client.chat.completions.create(model="m", messages=messages).choices[0].message.content
+    messages += [{"role": "assistant", "content": answer + " (edited)"}, {"role": "user", "content": "Again"}]
+    client.chat.completions.create(model="m", messages=messages)
+    reply = client.chat.completions.create(model="m", messages=messages[:1], tools=[CALCULATOR], tool_choice="none")
+    auth = {"Authorization": f"Bearer {api_key}"}
+    httpx.post(base_url.removesuffix("/v1") + "/reward", json={"reward": 0.25}, headers=auth).raise_for_status()
+    return reply.choices[0].message
+
+
+async def test_an_edited_history_is_rendered_afresh_and_tool_choice_none_hides_the_tools(tokenizer):
+    fmt, seen = ChatFormat(tokenizer), {}
+    env = ProgramEnv(edit_then_ask, fmt, reward=lambda task, episode, output: seen.update(vars(output)) or 1.0)
+    await env.reset({})
+    edited = await env.step(say(tokenizer, "Hi there.", "eos"))
+    history = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi there. (edited)"}]
+    assert edited.observation.token_ids == fmt.initial([*history, {"role": "user", "content": "Again"}])
+    assert edited.info["metrics"] == {"gateway/merged_steps": 0.0, "gateway/fresh_steps": 1.0}
+    hidden = await env.step(say(tokenizer, "Fine.", "eos"))
+    # tool_choice none: the tools are not in the prompt, and a call the model writes stays text
+    assert hidden.observation.token_ids == fmt.initial([{"role": "user", "content": "Hello"}])
+    assert CALL_CLOSE not in env.stop
+    call = format_tool_call("calculator", {"expression": "6 * 7"})
+    end = await env.step(say(tokenizer, call, "eos"))
+    assert end.done and end.reward == 1.0
+    await env.close()
+    assert seen["value"].content == call and not seen["value"].tool_calls
+    assert seen["reward"] == 0.25  # what the program posted, handed to the reward function
+
+
+def ask_forever(task, base_url, api_key):
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": "go"}]
+    while True:
+        answer = client.chat.completions.create(model="m", messages=messages).choices[0].message.content
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "more"}]
+
+
+async def test_the_turn_budget_ends_the_episode(tokenizer):
+    fmt = ChatFormat(tokenizer)
+    env = ProgramEnv(ask_forever, fmt, max_turns=2)
+    first = await env.reset({})
+    act = say(tokenizer, "one", "eos")
+    second = await env.step(act)
+    # the model sampled its end of turn: the delta does not close the turn a second time
+    more = fmt.continuation([{"role": "user", "content": "more"}], after_eos=True)
+    assert second.observation.token_ids == first.token_ids + act.token_ids + more
+    assert more[0] != tokenizer.eos_token_id and not second.done
+    end = await env.step(say(tokenizer, "two", "eos"))
+    assert end.done and end.reward == 0.0 and end.info["termination"] == Termination.MAX_TURNS
+    await env.close()
