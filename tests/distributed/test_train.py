@@ -180,11 +180,13 @@ def test_dist_reports_the_failing_rank_and_step(capsys):
     assert capsys.readouterr().err.strip() == "rank 1 failed at step 7: RuntimeError: CUDA out of memory"
 
 
-def test_two_processes_train_asynchronously_from_rank_0s_producer(tmp_path, toy_dir):
-    """rollout.max_staleness=1 under torchrun: rank 0's producer rolls out beside the update and
-    broadcasts each batch, both ranks update on it, and the job's checkpoint keeps the producer's state."""
+@pytest.mark.parametrize("workers", [[], ["cluster.rollout_workers=2"]])
+def test_two_processes_train_asynchronously_from_rank_0s_producer(tmp_path, toy_dir, workers):
+    """rollout.max_staleness=1 under torchrun: rank 0's producer rolls out (in its process, or on Ray
+    workers) beside the update and broadcasts each batch, both ranks update on it, and the job's
+    checkpoint keeps the producer's state."""
     run = tmp_path / "async"
-    launch(train_args(toy_dir, run, "steps=6", "rollout.max_staleness=1", "log.trajectories_every=1"), nproc=2)
+    launch(train_args(toy_dir, run, "steps=6", "rollout.max_staleness=1", *workers), nproc=2)
     hist = metrics(run)
     assert [m["step"] for m in hist] == [1, 2, 3, 4, 5, 6]
     assert all(m["async/version_lag_max"] <= 1 and m["trained_episodes"] == 16 and m["updates"] == 1 for m in hist)
