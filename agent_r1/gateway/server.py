@@ -219,10 +219,13 @@ def _check(body: GatewayChatRequest) -> None:
             "request is one step of the episode (one action of the step-level MDP); send n=1 or leave n out",
             param="n",
         )  # fmt: skip
-    if body.tool_choice not in (None, "auto", "none"):
+    # "required" (smolagents sends it with every request) is taken as "auto": the policy samples freely, with
+    # no constrained decoding, so an answer without a call comes back as text, which the program must handle
+    if body.tool_choice not in (None, "auto", "none", "required"):
         raise APIError(
-            400, f"tool_choice={body.tool_choice!r} is not supported: the gateway cannot force a tool call (the "
-            "policy samples freely, with no constrained decoding); use tool_choice 'auto' or 'none', or leave it out",
+            400, f"tool_choice={body.tool_choice!r} is not supported: the gateway cannot force a call to a named "
+            "tool (the policy samples freely, with no constrained decoding); use tool_choice 'auto', 'required' "
+            "(not enforced) or 'none', or leave it out",
             param="tool_choice",
         )  # fmt: skip
 

@@ -121,13 +121,26 @@ def chat_result(text: str, stops: tuple[str, ...], tools: bool, finish: str) -> 
             "type": "function",
             "function": {
                 "name": c.name,
-                "arguments": c.arguments if isinstance(c.arguments, str) else json.dumps(c.arguments),
+                "arguments": _json_text(c.arguments),
             },
         }
         for c in calls
     ]
     content = visible_prefix(text, (CALL_OPEN, *stops), final=True)
     return (content if content.strip() else None), openai_calls, "tool_calls"
+
+
+def _json_text(arguments: object) -> str:
+    """A call's arguments as OpenAI's `arguments`, always JSON text: a string the model wrote that is JSON goes
+    as it is (decoded by the client, as ToolEnv's executor decodes it); any other string (`"6 * 7"`) goes as a
+    JSON string, so a client that sends the call back in its history is not refused for it (a 400)."""
+    if isinstance(arguments, str):
+        try:
+            json.loads(arguments)
+            return arguments
+        except (ValueError, RecursionError):
+            return json.dumps(arguments)
+    return json.dumps(arguments)
 
 
 def check_unicode(body: Any) -> None:

@@ -1,7 +1,7 @@
 """The gateway's HTTP side, driven by programs written with the OpenAI SDK and by raw requests, with the env
 stepped by hand (scripted answers): refusals that name what is wrong, one request in flight, streamed tool
-calls, a history re-sent with other JSON whitespace still extending the prompt, tool_choice, the turn cap
-and a posted reward."""
+calls, a history re-sent with other JSON whitespace still extending the prompt, tool_choice (`required` taken as
+`auto`), a call whose arguments are not JSON sent back, the turn cap and a posted reward."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import httpx
 from openai import OpenAI
 
 from agent_r1.env.prompt_format import ChatFormat
-from agent_r1.env.tool_calls import CALL_CLOSE, format_tool_call, format_tool_responses
+from agent_r1.env.tool_calls import CALL_CLOSE, format_tool_call, format_tool_responses, tools_system_prompt
 from agent_r1.gateway import ProgramEnv, gateway
 from agent_r1.types import Action, Termination
 from tests.gateway.sdk_agent import CALCULATOR
@@ -41,9 +41,9 @@ async def test_refusals_name_what_is_wrong_and_one_request_is_in_flight(tokenize
         n = await http.post(url, json=body | {"n": 2}, headers=auth)
         assert n.status_code == 400 and n.json()["error"]["param"] == "n"
         assert "n=2" in n.json()["error"]["message"] and "one answer per request" in n.json()["error"]["message"]
-        for choice in ("required", {"type": "function", "function": {"name": "calculator"}}):
-            forced = await http.post(url, json=body | {"tool_choice": choice}, headers=auth)
-            assert forced.status_code == 400 and forced.json()["error"]["param"] == "tool_choice"
+        forced = {"type": "function", "function": {"name": "calculator"}}  # a named tool: 400 ("required": below)
+        named = await http.post(url, json=body | {"tool_choice": forced}, headers=auth)
+        assert named.status_code == 400 and named.json()["error"]["param"] == "tool_choice"
         wrong_key = await http.post(url, json=body, headers={"Authorization": "Bearer nope"})
         assert wrong_key.status_code == 401
         port = gateway().port
@@ -141,6 +141,60 @@ async def test_an_edited_history_is_rendered_afresh_and_tool_choice_none_hides_t
     await env.close()
     assert seen["value"].content == call and not seen["value"].tool_calls
     assert seen["reward"] == 0.25  # what the program posted, handed to the reward function
+
+
+def ask_with_a_call_required(task, base_url, api_key):
+    """Asks with tool_choice "required", as smolagents does with every request."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": "What is 6 * 7?"}]
+    return client.chat.completions.create(model="m", messages=messages, tools=[CALCULATOR], tool_choice="required")
+
+
+async def test_tool_choice_required_is_answered_as_auto_not_enforced(tokenizer):
+    fmt, seen = ChatFormat(tokenizer), {}
+    env = ProgramEnv(
+        ask_with_a_call_required, fmt, reward=lambda task, episode, output: seen.update(vars(output)) or 1.0
+    )
+    first = await env.reset({})
+    # the tools are in the prompt and sampling stops after the first call, exactly as with "auto"
+    tools = [{"role": "system", "content": tools_system_prompt([CALCULATOR])}]
+    assert first.token_ids == fmt.initial([*tools, {"role": "user", "content": "What is 6 * 7?"}])
+    assert CALL_CLOSE in env.stop
+    # no constrained decoding: an answer without a call goes back as it was sampled, for the program to handle
+    end = await env.step(say(tokenizer, "It is 42.", "eos"))
+    assert end.done and end.reward == 1.0
+    await env.close()
+    choice = seen["value"].choices[0]
+    assert choice.message.content == "It is 42." and not choice.message.tool_calls and choice.finish_reason == "stop"
+
+
+def send_the_call_back(task, base_url, api_key):
+    """Asks, then sends the answer back as it came (whatever its call's arguments) with a tool result."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": "What is 6 * 7?"}]
+    message = client.chat.completions.create(model="m", messages=messages, tools=[CALCULATOR]).choices[0].message
+    messages.append(message.model_dump(exclude_none=True))
+    result = "Error: the arguments are not an object"
+    messages.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": result})
+    client.chat.completions.create(model="m", messages=messages, tools=[CALCULATOR])
+    return message.tool_calls[0].function.arguments
+
+
+async def test_a_call_whose_arguments_are_not_json_can_be_sent_back(tokenizer):
+    """The model wrote "arguments": "6 * 7": the program gets valid JSON (a JSON string) and its history with
+    the call is accepted, merged, instead of a 400 that ended the episode as an error."""
+    fmt, seen = ChatFormat(tokenizer), {}
+    env = ProgramEnv(send_the_call_back, fmt, reward=lambda task, episode, output: seen.update(vars(output)) or 0.0)
+    first = await env.reset({})
+    act = say(tokenizer, format_tool_call("calculator", "6 * 7"))
+    second = await env.step(act)
+    assert not second.done and second.info["metrics"] == {"gateway/merged_steps": 1.0, "gateway/fresh_steps": 0.0}
+    results = [{"role": "user", "content": format_tool_responses(["Error: the arguments are not an object"])}]
+    assert second.observation.token_ids == first.token_ids + act.token_ids + fmt.continuation(results, False)
+    end = await env.step(say(tokenizer, "Sorry.", "eos"))
+    assert end.done and end.info["termination"] == Termination.ANSWERED
+    await env.close()
+    assert json.loads(seen["value"]) == "6 * 7"
 
 
 def ask_forever(task, base_url, api_key):
