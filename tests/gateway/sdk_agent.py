@@ -8,48 +8,16 @@ summarise their context do.
 
 from __future__ import annotations
 
-import ast
 import json
-import operator
 import sys
+from pathlib import Path
 
 from openai import OpenAI
 
-# agent-r1's own calculator schema, written out (tests/gateway/test_env.py checks that they agree)
-CALCULATOR = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression and return the result.\n\n"
-        "Supports numbers, + - * / // % ** and parentheses (no variables or functions).",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "expression": {
-                    "type": "string",
-                    "description": 'The arithmetic expression, for example "(48 / 2) * 3 + 1".',
-                }
-            },
-            "required": ["expression"],
-        },
-    },
-}
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository root
+from examples.calculator_agent import CALCULATOR, calculate  # the example agent's schema and tool
 
-
-def calculate(expression: str) -> str:
-    def value(node: ast.AST) -> float:
-        if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
-            return node.value
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            return _OPS[type(node.op)](value(node.left), value(node.right))
-        raise ValueError("unsupported expression")
-
-    try:
-        result = value(ast.parse(expression, mode="eval").body)
-    except (SyntaxError, ValueError, ZeroDivisionError) as exc:
-        return f"Error: {exc}"
-    return str(int(result)) if float(result).is_integer() else str(result)
+__all__ = ["CALCULATOR", "calculate", "run"]
 
 
 def run(task: dict, base_url: str | None = None, api_key: str | None = None, rewrite: bool = False) -> str:
