@@ -64,6 +64,9 @@ class Action:
     logprobs: list[float]  # [R] log-prob of each sampled id under the rollout policy
     text: str  # decoded token_ids, for parsing tool calls and for humans
     finish_reason: str = "stop"  # "stop" (stop string) | "eos" | "length"
+    # an env that asks for several samples per step (`samples` = n, the gateway's OpenAI `n`): the other
+    # n - 1, sampled from the same prompt; the step records the one the env reports taking (info["choice"])
+    alternatives: list[Action] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):

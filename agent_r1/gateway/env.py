@@ -40,7 +40,7 @@ from agent_r1.env.prompt_format import PromptFormat, prompt_format_for
 from agent_r1.env.tool_calls import CALL_CLOSE, ParseError, parse_tool_calls
 from agent_r1.gateway.server import Call, Gateway, Mailbox, gateway
 from agent_r1.models.vision import image_parts
-from agent_r1.serve.messages import chat_result, check_unicode, template_messages, tool_schemas
+from agent_r1.serve.messages import chat_result, check_unicode, forced_call, template_messages, tool_schemas
 from agent_r1.serve.schema import APIError, ChatMessage
 from agent_r1.types import Action, Observation, Termination
 
@@ -120,6 +120,7 @@ class ProgramEnv:
         self.extra_env = dict(env or {})  # more environment variables for a command
         self.cwd = cwd
         self.stop: tuple[str, ...] = tuple(prompt_format.stop)  # the current request's (read before each turn)
+        self.samples = 1  # the current request's `n`: the rollout loop samples this many answers
         self.mailbox: Mailbox | None = None
         self.proc: asyncio.subprocess.Process | None = None
         self._tasks: list[asyncio.Task] = []
@@ -130,7 +131,9 @@ class ProgramEnv:
         """Start the program; its first chat request is the first observation."""
         self.task, self.turn = task, 0
         self.answers: list[dict[str, Any]] = []
-        self.history: tuple[list[str], str, str] | None = None  # (request keys, answer key, tools key)
+        self.history: tuple[list[str], list[str], str] | None = None  # (request keys, answer keys, tools key)
+        self.contexts: list[tuple[list[int], bool]] = []  # per answer: prompt + its ids, whether it ended at eos
+        self.choice = 0  # which answer the program's history went on with
         self.call: Call | None = None  # the request the policy answers next
         self.merged = False
         self.gateway: Gateway = await asyncio.to_thread(gateway)  # started on first use
@@ -143,31 +146,36 @@ class ProgramEnv:
         return event
 
     async def step(self, action: Action) -> StepResult:
-        """Answer the waiting request with the sampled response; then the program's next request, or its exit."""
+        """Answer the waiting request with the sampled response(s); then the program's next request, or its exit.
+        With `n` > 1 the step is the answer the program went on with (info["choice"]); the first when it ended."""
         assert self.call is not None, "step() before reset()"
         self.turn += 1
-        content, calls, finish = chat_result(action.text, self.client_stops, self.tools_on, action.finish_reason)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls
-        # the model's calls, which the program runs: counted as ToolEnv counts them (malformed ones stay content)
-        malformed = sum(isinstance(c, ParseError) for c in parse_tool_calls(action.text)) if self.tools_on else 0
-        counts = {"tool_calls": len(calls), "format_errors": malformed}
-        self.call.reply(self._completion(message, finish, action))
-        self.answers.append(message)
-        self.history = (self.sent, _key(ChatMessage.model_validate(message)), self.sent_tools)
-        self.context = self.prompt + list(action.token_ids)  # what the next prompt extends, token for token
-        self.after_eos = action.finish_reason == "eos"
-        self.call = None
+        actions = [action, *action.alternatives]
+        messages, finishes, counts = [], [], []
+        for a in actions:
+            text = self.forced + a.text  # a forced call's opening is the env's, the rest the policy's
+            content, calls, finish = chat_result(text, self.client_stops, self.tools_on, a.finish_reason)
+            messages.append({"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {}))
+            finishes.append(finish)
+            # the model's calls, which the program runs: counted as ToolEnv counts them (malformed ones stay content)
+            malformed = sum(isinstance(c, ParseError) for c in parse_tool_calls(text)) if self.tools_on else 0
+            counts.append({"tool_calls": len(calls), "format_errors": malformed})
+        self.call.reply(self._completion(messages, finishes, actions))
+        self.history = (self.sent, [_key(ChatMessage.model_validate(m)) for m in messages], self.sent_tools)
+        # what the next prompt extends, token for token: the prompt + the ids of the answer it goes on with
+        self.contexts = [(self.prompt + list(a.token_ids), a.finish_reason == "eos") for a in actions]
+        self.call, self.choice = None, 0
         event = await self._wait(render=self.turn < self.max_turns)
+        self.answers.append(messages[self.choice])
+        info = counts[self.choice] | ({"choice": self.choice} if len(actions) > 1 else {})
         if isinstance(event, _Exit):
-            reward, info = self._end(event)
-            return StepResult(None, reward, True, counts | info)
+            reward, end = self._end(event)
+            return StepResult(None, reward, True, info | end)
         if isinstance(event, Call):  # the turn budget is spent: the episode ends as ToolEnv's does, reward 0
             event.reply(APIError(400, f"this episode's turn budget (max_turns={self.max_turns}) is spent"))
-            return StepResult(None, 0.0, True, counts | {"termination": Termination.MAX_TURNS})
+            return StepResult(None, 0.0, True, info | {"termination": Termination.MAX_TURNS})
         metrics = {"gateway/merged_steps": float(self.merged), "gateway/fresh_steps": float(not self.merged)}
-        return StepResult(event, None, False, counts | {"metrics": metrics})
+        return StepResult(event, None, False, info | {"metrics": metrics})
 
     async def close(self) -> None:
         """End the episode however it ended: its routes answer 404, a request still waiting is answered with
@@ -274,18 +282,23 @@ class ProgramEnv:
         pictures = sum(len(image_parts(m)) for m in messages)
         if pictures and getattr(self.format, "encoder", None) is None:
             raise APIError(400, f"the request has {pictures} image(s) but the policy reads text only", param="messages")
+        forced = forced_call(body.tool_choice, tools)
         tools_key = json.dumps(tools, sort_keys=True)
-        new = self._new_messages(body.messages, tools_key, bool(tools))
+        new, choice = self._new_messages(body.messages, tools_key, bool(tools))
         try:
             if new is not None:
                 delta = template_messages(new, [])
-                ids = self.context + self.format.continuation(delta, after_eos=self.after_eos)
+                context, after_eos = self.contexts[choice]
+                ids = context + self.format.continuation(delta, after_eos=after_eos)
                 images = self.images + self.format.images(delta)
             else:
                 ids, images = self.format.initial(messages), self.format.images(messages)
         except ValueError as exc:  # images the template and the messages disagree on, an unreadable image
             raise APIError(400, str(exc), param="messages") from None
+        if forced:  # the answer's forced opening ends the prompt: the policy samples on from it
+            ids = ids + self.format.tokenizer.encode(forced, add_special_tokens=False)
         self.call, self.prompt, self.images, self.merged = call, ids, images, new is not None
+        self.choice, self.forced, self.samples = choice, forced, body.n
         self.sent, self.sent_tools = [_key(m) for m in body.messages], tools_key
         self.request_messages, self.tools_on = body.messages, bool(tools)
         self.client_stops = body.stops + tuple(self.format.stop)  # where the answer's visible text ends
@@ -293,34 +306,39 @@ class ProgramEnv:
         self.stop = ((CALL_CLOSE,) if one_call else ()) + body.stops + tuple(self.format.stop)
         return Observation(token_ids=list(ids), images=list(images))
 
-    def _new_messages(self, messages: list[ChatMessage], tools_key: str, tools: bool) -> list[ChatMessage] | None:
-        """The messages after the previous request's and the gateway's answer, when `messages` starts with
-        exactly those (same tools); None when the history was rewritten."""
+    def _new_messages(
+        self, messages: list[ChatMessage], tools_key: str, tools: bool
+    ) -> tuple[list[ChatMessage] | None, int]:
+        """The messages after the previous request's and one of the gateway's answers, when `messages` starts
+        with exactly those (same tools), and which answer; (None, 0) when the history was rewritten."""
         if self.history is None:
-            return None
-        sent, answer, sent_tools = self.history
+            return None, 0
+        sent, answers, sent_tools = self.history
         n = len(sent)
-        if tools_key != sent_tools or len(messages) <= n or _key(messages[n]) != answer:
-            return None
+        if tools_key != sent_tools or len(messages) <= n or _key(messages[n]) not in answers:
+            return None, 0
         if [_key(m) for m in messages[:n]] != sent:
-            return None
+            return None, 0
         new = messages[n + 1 :]
         if tools and any(m.role in ("system", "developer") for m in new):
-            return None  # with tools, a system message joins the tools system prompt at the top: not an append
-        return new
+            return None, 0  # with tools, a system message joins the tools system prompt at the top: not an append
+        return new, answers.index(_key(messages[n]))
 
-    def _completion(self, message: dict[str, Any], finish: str, action: Action) -> dict[str, Any]:
+    def _completion(self, messages: list[dict], finishes: list[str], actions: list[Action]) -> dict[str, Any]:
         body = self.call.body
-        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-        if body.logprobs:
-            decode = self.format.tokenizer.decode
-            pairs = zip(action.token_ids, action.logprobs, strict=True)
-            content = [{"token": decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []} for t, lp in pairs]
-            choice["logprobs"] = {"content": content}
-        p, c = len(self.prompt), len(action.token_ids)
+        choices = []
+        for k, (message, finish, action) in enumerate(zip(messages, finishes, actions, strict=True)):
+            choice: dict[str, Any] = {"index": k, "message": message, "logprobs": None, "finish_reason": finish}
+            if body.logprobs:
+                decode = self.format.tokenizer.decode
+                pairs = zip(action.token_ids, action.logprobs, strict=True)
+                content = [{"token": decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []} for t, lp in pairs]
+                choice["logprobs"] = {"content": content}
+            choices.append(choice)
+        p, c = len(self.prompt), sum(len(a.token_ids) for a in actions)
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": body.model, "choices": [choice],
+            "model": body.model, "choices": choices,
             "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
         }  # fmt: skip
 

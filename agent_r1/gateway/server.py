@@ -7,7 +7,7 @@
 
 The server is started on first use, on 127.0.0.1 and a free port, in a daemon thread with its own event
 loop, and is shared by every episode of the process. It does no model work: a chat request is checked
-(episode, API key, `n`, `tool_choice`, one request in flight) and handed to the episode's `ProgramEnv`
+(episode, API key, `n`, one request in flight) and handed to the episode's `ProgramEnv`
 through its `Mailbox`. The env renders it into the next observation, the rollout loop samples, and the
 env's answer is what this request returns. Every failure is an OpenAI-style `{"error": {...}}` body.
 """
@@ -35,13 +35,15 @@ from agent_r1.serve.http import install_error_handlers, sse
 from agent_r1.serve.schema import APIError, ChatCompletionRequest
 
 MODEL_NAME = "agent-r1-policy"  # what /v1/models lists; a request may name any model, it is the policy either way
+MAX_N = 16  # answers one request may ask for: n samples of one step cost n times one answer's decoding
 
 
 class GatewayChatRequest(ChatCompletionRequest):
-    """A chat request as the SDKs send it; `n` and `tool_choice` are checked with messages that say why."""
+    """A chat request as the SDKs send it; `n` is checked here, `tool_choice` when the episode renders it."""
 
     n: int = 1
-    tool_choice: Any = None
+    tool_choice: Any = None  # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}
+    stream_options: dict[str, Any] | None = None  # {"include_usage": true}: a last chunk with the usage
     # true: the model's turn ends when it ends it, with every call it wrote; false or absent: at its first call's
     # end, as ToolEnv samples (a model that learned to stop there would otherwise run on into a made-up result)
     parallel_tool_calls: bool | None = None
@@ -206,43 +208,41 @@ def create_app(gw: Gateway) -> FastAPI:
             mailbox.busy = False
         if isinstance(result, APIError):
             raise result
-        return sse(_chunks(result)) if body.stream else result
+        if not body.stream:
+            return result
+        return sse(_chunks(result, bool((body.stream_options or {}).get("include_usage"))))
 
     return app
 
 
 def _check(body: GatewayChatRequest) -> None:
     """What the gateway refuses before the episode sees the request: a 400 naming the field and why."""
-    if body.n != 1:
+    if not 1 <= body.n <= MAX_N:
         raise APIError(
-            400, f"n={body.n} is not supported: the gateway samples exactly one answer per request, because each "
-            "request is one step of the episode (one action of the step-level MDP); send n=1 or leave n out",
+            400, f"n={body.n} is out of range: a request may ask for 1 to {MAX_N} answers (each is sampled by the "
+            "policy in training, so the cap bounds what one program can ask of the rollout)",
             param="n",
         )  # fmt: skip
-    # "required" (smolagents sends it with every request) is taken as "auto": the policy samples freely, with
-    # no constrained decoding, so an answer without a call comes back as text, which the program must handle
-    if body.tool_choice not in (None, "auto", "none", "required"):
-        raise APIError(
-            400, f"tool_choice={body.tool_choice!r} is not supported: the gateway cannot force a call to a named "
-            "tool (the policy samples freely, with no constrained decoding); use tool_choice 'auto', 'required' "
-            "(not enforced) or 'none', or leave it out",
-            param="tool_choice",
-        )  # fmt: skip
 
 
-async def _chunks(completion: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-    """A whole chat.completion as OpenAI's stream of chat.completion.chunk events: the role, the content,
-    the tool calls (each whole, with its index), then the finish reason."""
+async def _chunks(completion: dict[str, Any], usage: bool) -> AsyncIterator[dict[str, Any]]:
+    """A whole chat.completion as OpenAI's stream of chat.completion.chunk events, choice by choice: the role,
+    the content, the tool calls (each whole, with its index), the finish reason; then, when the request asked
+    with stream_options.include_usage, a last chunk with no choices and the usage (null in the others)."""
     head = {k: completion[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-    choice = completion["choices"][0]
-    message = choice["message"]
+    if usage:
+        head["usage"] = None
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return head | {"choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+    def chunk(k: int, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return head | {"choices": [{"index": k, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
-    yield chunk({"role": "assistant", "content": ""})
-    if message.get("content"):
-        yield chunk({"content": message["content"]})
-    if message.get("tool_calls"):
-        yield chunk({"tool_calls": [c | {"index": k} for k, c in enumerate(message["tool_calls"])]})
-    yield chunk({}, choice["finish_reason"])
+    for k, choice in enumerate(completion["choices"]):
+        message = choice["message"]
+        yield chunk(k, {"role": "assistant", "content": ""})
+        if message.get("content"):
+            yield chunk(k, {"content": message["content"]})
+        if message.get("tool_calls"):
+            yield chunk(k, {"tool_calls": [c | {"index": i} for i, c in enumerate(message["tool_calls"])]})
+        yield chunk(k, {}, choice["finish_reason"])
+    if usage:
+        yield head | {"choices": [], "usage": completion["usage"]}

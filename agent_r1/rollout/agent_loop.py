@@ -76,13 +76,16 @@ class AgentEnvLoop:
                     traj.termination = Termination.CONTEXT_OVERFLOW
                     break
                 params = self._params(env, index, turn)
+                n = getattr(env, "samples", 1)  # samples of this step (each its own seed: the engine's seed + k)
                 if images:  # only engines that read images are asked to
-                    out = (await self.engine.generate([prompt], params, images=[images]))[0]
+                    outs = await self.engine.generate([prompt] * n, params, images=[images] * n)
                 else:
-                    out = (await self.engine.generate([prompt], params))[0]
-                action = Action(out.token_ids, out.logprobs, out.text, out.finish_reason)
+                    outs = await self.engine.generate([prompt] * n, params)
+                first, *others = (Action(o.token_ids, o.logprobs, o.text, o.finish_reason) for o in outs)
+                first.alternatives = others
                 state = obs_state(obs, prompt, images)  # the state the step acts from, before the env moves on
-                obs, reward, done, info = await env.step(action)
+                obs, reward, done, info = await env.step(first)
+                out = outs[info.get("choice", 0)]  # the sample the episode went on from
                 traj.steps.append(
                     Step(
                         prompt,

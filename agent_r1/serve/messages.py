@@ -7,6 +7,7 @@ same way in both.
   consecutive tool results as one user turn of `<tool_response>` blocks.
 * `chat_result`: one sampled response -> (content, OpenAI `tool_calls`, finish_reason).
 * `tool_schemas`, `check_unicode`: the request's tools and strings checked, a 400 naming the first bad one.
+* `forced_call`: what a forcing `tool_choice` (`required`, a named function) fixes of the answer's start.
 """
 
 from __future__ import annotations
@@ -104,6 +105,37 @@ def tool_schemas(specs: list[ToolSpec]) -> list[dict]:
             message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise APIError(400, f"invalid tool {f.name!r}: {message}", param=f"tools[{i}]") from None
     return schemas
+
+
+def forced_call(tool_choice: Any, tools: list[dict]) -> str:
+    """The start of the answer that `tool_choice` fixes, "" when it forces nothing.
+
+    "required" opens a call (`<tool_call>` and its newline); a named function opens a call to that function
+    up to its arguments, exactly as `format_tool_call` writes one. The prefix goes into the prompt, written
+    by the environment, and the policy samples on from it: nothing it did not sample is trained as sampled,
+    and the call it finishes is the one OpenAI's API promises. (vLLM forces the same with a JSON-schema
+    grammar; a prefix needs no constrained decoding and works with every engine, at the price of the
+    arguments being free-form: a malformed call stays content, as with "auto".)"""
+    if tool_choice in (None, "auto", "none"):
+        return ""
+    name = None
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        name = (tool_choice.get("function") or {}).get("name")
+    if tool_choice != "required" and not isinstance(name, str):
+        raise APIError(
+            400, f"tool_choice={tool_choice!r} is not one of 'none', 'auto', 'required' or "
+            '{"type": "function", "function": {"name": ...}}', param="tool_choice",
+        )  # fmt: skip
+    if not tools:
+        message = f"tool_choice={tool_choice!r} forces a tool call, but the request lists no tools"
+        raise APIError(400, message, param="tool_choice")
+    if name is None:
+        return f"{CALL_OPEN}\n"
+    names = [t["function"]["name"] for t in tools]
+    if name not in names:
+        message = f"tool_choice names the function {name!r}, which is not among the request's tools {names}"
+        raise APIError(400, message, param="tool_choice")
+    return f'{CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": '
 
 
 def _runs_on_client(**_: Any) -> None:

@@ -137,3 +137,32 @@ def test_a_program_that_raises_mid_episode_is_an_error_not_a_crash(engine, token
     (traj,) = AgentEnvLoop(engine, factory, SamplingParams(max_new_tokens=4)).run_sync([TASK])
     assert traj.termination == Termination.ERROR
     assert "the agent program raised" in traj.error and "ValueError: the agent's own bug" in traj.error
+
+
+def three_answers_go_on_from_the_last(task, base_url, api_key):
+    """Asks for n=3 answers and goes on from the last one, as a best-of-n agent would from the one it picked."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": "Say something."}]
+    contents = [c.message.content for c in client.chat.completions.create(model="m", messages=messages, n=3).choices]
+    messages += [{"role": "assistant", "content": contents[-1]}, {"role": "user", "content": "And?"}]
+    client.chat.completions.create(model="m", messages=messages)
+    return contents
+
+
+def test_n_samples_are_the_engines_and_the_step_is_the_one_the_program_went_on_from(tool_model, tokenizer):
+    seen = {}
+    factory = ProgramEnvFactory(
+        tokenizer, function=three_answers_go_on_from_the_last, reward=lambda task, ep, out: seen.update(vars(out)) or 1
+    )
+    (traj,) = rollout(tool_model, tokenizer, factory, tasks=({},))
+    assert traj.termination == Termination.ANSWERED, traj.error
+    first, second = traj.steps
+    assert first.info["choice"] == 2 and len(set(seen["value"])) == 3  # three samples, each with its own seed
+    assert seen["value"][2].strip() == first.text.removesuffix(tokenizer.eos_token).strip()
+    (row,) = merge_trajectory(traj)  # the step recorded is the answer the history went on from: one row
+    assert second.prompt_ids[: len(first.prompt_ids) + len(first.response_ids)] == first.prompt_ids + first.response_ids
+    rows, _ = build_rows([traj], [[row]])
+    # its log-probs are the chosen sample's (another sample's would be off by whole nats); the three were
+    # decoded as one batch, whose fp32 sums run in another order than the trainer's single row: 2e-4
+    drift = recompute_old_logprobs(tool_model, rows, 1024, 1.0)
+    assert drift["logprob_drift_max"] <= 2e-4, drift

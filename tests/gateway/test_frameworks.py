@@ -137,7 +137,8 @@ def smolagents_model_dir(tokenizer, tmp_path_factory, internet):
         env = ProgramEnv(command("smolagents"), ChatFormat(tokenizer), env=dict(internet[0]), cwd=str(ROOT))
         obs, examples = await env.reset(TASK), []
         try:
-            for text in calls:
+            for call in calls:
+                text = call.removeprefix(env.forced)  # smolagents asks with tool_choice="required": the call is open
                 ids = tokenizer.encode(text, add_special_tokens=False)
                 examples.append((obs.token_ids, ids))
                 result = await env.step(Action(ids, [0.0] * len(ids), text, "stop"))

@@ -1,14 +1,15 @@
 """The gateway's HTTP side, driven by programs written with the OpenAI SDK and by raw requests, with the env
 stepped by hand (scripted answers): refusals that name what is wrong, one request in flight, streamed tool
-calls, a history re-sent with other JSON whitespace still extending the prompt, tool_choice (`required` taken as
-`auto`), a call whose arguments are not JSON sent back, the turn cap and a posted reward."""
+calls, a history re-sent with other JSON whitespace still extending the prompt, tool_choice (`required` and a
+named function force a call's opening into the prompt), `n` answers with the program going on from any of them,
+a call whose arguments are not JSON sent back, the turn cap and a posted reward."""
 
 from __future__ import annotations
 
 import json
 
 import httpx
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.env.tool_calls import CALL_CLOSE, format_tool_call, format_tool_responses, tools_system_prompt
@@ -38,12 +39,10 @@ async def test_refusals_name_what_is_wrong_and_one_request_is_in_flight(tokenize
     async with httpx.AsyncClient() as http:
         second = await http.post(url, json=body, headers=auth)
         assert second.status_code == 409 and "in flight" in second.json()["error"]["message"]
-        n = await http.post(url, json=body | {"n": 2}, headers=auth)
-        assert n.status_code == 400 and n.json()["error"]["param"] == "n"
-        assert "n=2" in n.json()["error"]["message"] and "one answer per request" in n.json()["error"]["message"]
-        forced = {"type": "function", "function": {"name": "calculator"}}  # a named tool: 400 ("required": below)
-        named = await http.post(url, json=body | {"tool_choice": forced}, headers=auth)
-        assert named.status_code == 400 and named.json()["error"]["param"] == "tool_choice"
+        for n in (0, 17):
+            refused = await http.post(url, json=body | {"n": n}, headers=auth)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
+            assert f"n={n} is out of range" in refused.json()["error"]["message"]
         wrong_key = await http.post(url, json=body, headers={"Authorization": "Bearer nope"})
         assert wrong_key.status_code == 401
         port = gateway().port
@@ -143,29 +142,94 @@ async def test_an_edited_history_is_rendered_afresh_and_tool_choice_none_hides_t
     assert seen["reward"] == 0.25  # what the program posted, handed to the reward function
 
 
-def ask_with_a_call_required(task, base_url, api_key):
-    """Asks with tool_choice "required", as smolagents does with every request."""
+def forced_calls(task, base_url, api_key):
+    """Refused tool_choices first (each a 400 it reads), then "required", then a named function, each answer's
+    call run and sent back; returns the errors and the calls it got."""
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages = [{"role": "user", "content": "What is 6 * 7?"}]
-    return client.chat.completions.create(model="m", messages=messages, tools=[CALCULATOR], tool_choice="required")
+    errors, calls = [], []
+    for bad in ({"type": "function", "function": {"name": "search"}}, "required", "always"):
+        try:
+            tools = [CALCULATOR] if bad != "required" else None  # "required" with no tools
+            client.chat.completions.create(model="m", messages=messages, tools=tools, tool_choice=bad)
+        except BadRequestError as exc:
+            errors.append(exc.body["message"])
+    for choice in ("required", {"type": "function", "function": {"name": "calculator"}}):
+        message = (
+            client.chat.completions.create(model="m", messages=messages, tools=[CALCULATOR], tool_choice=choice)
+            .choices[0]
+            .message
+        )
+        calls.append([(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls])
+        messages += [message.model_dump(exclude_none=True)]
+        messages += [{"role": "tool", "tool_call_id": c.id, "content": "42"} for c in message.tool_calls]
+    client.chat.completions.create(model="m", messages=messages, tools=[CALCULATOR])
+    return errors, calls
 
 
-async def test_tool_choice_required_is_answered_as_auto_not_enforced(tokenizer):
+async def test_a_forcing_tool_choice_opens_the_call_in_the_prompt_and_the_policy_samples_the_rest(tokenizer):
     fmt, seen = ChatFormat(tokenizer), {}
-    env = ProgramEnv(
-        ask_with_a_call_required, fmt, reward=lambda task, episode, output: seen.update(vars(output)) or 1.0
-    )
-    first = await env.reset({})
-    # the tools are in the prompt and sampling stops after the first call, exactly as with "auto"
+    env = ProgramEnv(forced_calls, fmt, reward=lambda task, episode, output: seen.update(vars(output)) or 1.0)
+    first = await env.reset({})  # the three refused requests were answered with a 400 and waited past
     tools = [{"role": "system", "content": tools_system_prompt([CALCULATOR])}]
-    assert first.token_ids == fmt.initial([*tools, {"role": "user", "content": "What is 6 * 7?"}])
-    assert CALL_CLOSE in env.stop
-    # no constrained decoding: an answer without a call goes back as it was sampled, for the program to handle
-    end = await env.step(say(tokenizer, "It is 42.", "eos"))
-    assert end.done and end.reward == 1.0
+    question = fmt.initial([*tools, {"role": "user", "content": "What is 6 * 7?"}])
+    opening = tokenizer.encode("<tool_call>\n", add_special_tokens=False)
+    assert first.token_ids == question + opening  # "required": the call is open, the policy names the tool
+    rest = '{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
+    assert tokenizer.decode(opening) + rest == format_tool_call("calculator", {"expression": "6 * 7"})
+    act = say(tokenizer, rest)
+    second = await env.step(act)
+    assert second.info["tool_calls"] == 1 and second.info["metrics"]["gateway/merged_steps"] == 1.0
+    results = [{"role": "user", "content": format_tool_responses(["42"])}]
+    context = first.token_ids + act.token_ids + fmt.continuation(results, False)  # the opening stays, as shown
+    named = tokenizer.encode('<tool_call>\n{"name": "calculator", "arguments": ', add_special_tokens=False)
+    assert second.observation.token_ids == context + named  # a named function: only its arguments are sampled
+    act2 = say(tokenizer, '{"expression": "42 * 1"}}\n</tool_call>')
+    third = await env.step(act2)
+    assert third.info["metrics"]["gateway/merged_steps"] == 1.0
+    assert third.observation.token_ids == context + named + act2.token_ids + fmt.continuation(results, False)
+    assert (await env.step(say(tokenizer, "42", "eos"))).done
     await env.close()
-    choice = seen["value"].choices[0]
-    assert choice.message.content == "It is 42." and not choice.message.tool_calls and choice.finish_reason == "stop"
+    errors, calls = seen["value"]
+    assert "'search', which is not among the request's tools ['calculator']" in errors[0]
+    assert "forces a tool call, but the request lists no tools" in errors[1]
+    assert "tool_choice='always' is not one of" in errors[2]
+    assert calls == [[("calculator", {"expression": "6 * 7"})], [("calculator", {"expression": "42 * 1"})]]
+
+
+def two_answers_then_the_second(task, base_url, api_key):
+    """Asks for n=2 (streamed, with the usage), goes on from the second answer, then asks again."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": "Pick one"}]
+    stream = client.chat.completions.create(
+        model="m", messages=messages, n=2, stream=True, stream_options={"include_usage": True}
+    )
+    texts, usage = {}, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    messages += [{"role": "assistant", "content": texts[1]}, {"role": "user", "content": "Why?"}]
+    return texts, usage.completion_tokens, client.chat.completions.create(model="m", messages=messages)
+
+
+async def test_n_answers_and_the_program_goes_on_from_the_one_it_took(tokenizer):
+    fmt, seen = ChatFormat(tokenizer), {}
+    env = ProgramEnv(two_answers_then_the_second, fmt, reward=lambda task, ep, output: seen.update(vars(output)) or 1.0)
+    first = await env.reset({})
+    assert env.samples == 2
+    a, b = say(tokenizer, "Red.", "eos"), say(tokenizer, "Blue.", "eos")
+    a.alternatives = [b]
+    second = await env.step(a)
+    assert second.info["choice"] == 1 and second.info["metrics"]["gateway/merged_steps"] == 1.0
+    why = fmt.continuation([{"role": "user", "content": "Why?"}], after_eos=True)
+    assert second.observation.token_ids == first.token_ids + b.token_ids + why  # extends the answer it took
+    assert env.samples == 1
+    assert (await env.step(say(tokenizer, "Calm.", "eos"))).done
+    await env.close()
+    texts, completion_tokens, last = seen["value"]
+    assert texts == {0: "Red.", 1: "Blue."} and completion_tokens == len(a.token_ids) + len(b.token_ids)
+    assert last.choices[0].message.content == "Calm."
 
 
 def send_the_call_back(task, base_url, api_key):
