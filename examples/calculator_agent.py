@@ -89,10 +89,12 @@ def run(task: dict, base_url: str | None = None, api_key: str | None = None, max
 
 def reward(task: dict, episode, output) -> tuple[float, dict[str, float]]:
     """The trainer's side: the built-in calculator task's reward (exact numeric match of the answer, plus
-    0.1 x the answer-format check, as the demo's RL stage) on what the program printed."""
+    0.1 x the answer-format check, as the demo's RL stage) on the answer: what `run` returned when it ran as
+    a function (`task.function`), what the program printed when it ran as a command."""
     from agent_r1.tasks.calculator import reward as calculator_reward
 
-    return calculator_reward(task, output.stdout.strip(), format_weight=0.1)
+    answer = output.value if isinstance(output.value, str) else output.stdout
+    return calculator_reward(task, answer.strip(), format_weight=0.1)
 
 
 if __name__ == "__main__":

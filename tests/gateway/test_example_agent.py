@@ -37,7 +37,7 @@ def test_its_tool_answers_as_the_built_in_calculator(expression):
     assert calculator_agent.calculate(expression) == format_number(evaluate(expression))
 
 
-def test_its_reward_is_the_built_in_tasks_on_the_printed_answer():
+def test_its_reward_is_the_built_in_tasks_on_the_printed_or_returned_answer():
     task = {"question": "?", "answer": 888}
     score = calculator_agent.reward(task, Episode([], []), ProgramOutput(0, stdout="<answer>888</answer>\n"))
     assert (
@@ -47,3 +47,5 @@ def test_its_reward_is_the_built_in_tasks_on_the_printed_answer():
     )
     wrong = calculator_agent.reward(task, Episode([], []), ProgramOutput(0, stdout="889\n"))
     assert wrong[0] == 0.0
+    returned = calculator_agent.reward(task, Episode([], []), ProgramOutput(0, value="<answer>888</answer>"))
+    assert returned == score  # run as a function: what `run` returned
