@@ -2,7 +2,9 @@
 
 The same policy, the same 64 episodes at once (8 tasks x 8 samples, as a demo RL step), the same seeds:
 the built-in calculator task's `ToolEnv`, then `examples/calculator_agent.py` through the gateway, as a
-command (a Python process per episode) and as a function (a thread per episode). The example's requests
+command (a Python process per episode), as a function (a thread per episode), and as a function whose
+OpenAI clients share one `httpx.Client` (`function-shared`: without the ~20 ms of CPU, GIL held, that each new
+client spends loading the CA bundle, which leaves the gateway's own cost). The example's requests
 render to the built-in task's prompts token for token, so each mode samples the same ids; the script
 counts the episodes whose steps match the in-process run's, which is what makes the times comparable.
 Modes alternate over `--repeats` rounds; the overhead is the gateway's extra wall clock as a share of its own.
@@ -13,14 +15,17 @@ Modes alternate over `--repeats` rounds; the overhead is the gateway's extra wal
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import httpx
+
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("toolenv", "command", "function")
+MODES = ("toolenv", "command", "function", "function-shared")
 
 
 def main() -> None:
@@ -39,6 +44,7 @@ def main() -> None:
     from agent_r1.rollout.engine import SamplingParams
     from agent_r1.rollout.local_engine import LocalEngine
     from agent_r1.tasks import calculator
+    from examples import calculator_agent
 
     model, tokenizer = load_model(args.model)
     options = calculator.Options(ops=(1, 2, 2), few_shot=False)  # the demo's RL task (recipes/demo.yaml)
@@ -52,6 +58,10 @@ def main() -> None:
         ),
         "function": ProgramEnvFactory(
             tokenizer, function="examples.calculator_agent:run", reward="examples.calculator_agent:reward", max_turns=3
+        ),
+        "function-shared": ProgramEnvFactory(
+            tokenizer, function=functools.partial(calculator_agent.run, http_client=httpx.Client(timeout=600)),
+            reward="examples.calculator_agent:reward", max_turns=3,
         ),
     }  # fmt: skip
     sampling = SamplingParams(max_new_tokens=64, temperature=0.6)  # the demo's rollout settings

@@ -12,6 +12,7 @@ same way in both.
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from typing import Any
@@ -93,10 +94,17 @@ def _arguments(arguments: str, i: int) -> Any:
 
 
 def tool_schemas(specs: list[ToolSpec]) -> list[dict]:
-    """Validate client tools like our own: a valid name and an object JSON schema (they run client-side)."""
+    """Validate client tools like our own: a valid name and an object JSON schema (they run client-side).
+    Agents send the same tools with every request, and checking a schema costs milliseconds of CPU: a list
+    that passed is remembered by its JSON."""
+    return json.loads(_checked_tools(json.dumps([spec.model_dump() for spec in specs])))
+
+
+@functools.lru_cache(maxsize=256)
+def _checked_tools(specs_json: str) -> str:
     schemas = []
-    for i, spec in enumerate(specs):
-        f = spec.function
+    for i, spec in enumerate(json.loads(specs_json)):
+        f = ToolSpec.model_validate(spec).function
         try:
             if f.parameters.get("type") != "object":
                 raise ValueError('parameters must be a JSON schema with "type": "object"')
@@ -104,7 +112,7 @@ def tool_schemas(specs: list[ToolSpec]) -> list[dict]:
         except (ValueError, TypeError, jsonschema.SchemaError) as exc:  # TypeError: `$schema` is not a string
             message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise APIError(400, f"invalid tool {f.name!r}: {message}", param=f"tools[{i}]") from None
-    return schemas
+    return json.dumps(schemas)
 
 
 def forced_call(tool_choice: Any, tools: list[dict]) -> str:
