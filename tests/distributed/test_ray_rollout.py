@@ -281,3 +281,29 @@ def test_async_training_with_ray_workers(local_ray, tmp_path, tokenizer):
     assert [h["step"] for h in hist] == [1, 2, 3, 4]
     assert all(h["async/version_lag_max"] <= 1 and h["trained_episodes"] == 16 and h["updates"] == 1 for h in hist)
     assert any(h["async/version_lag_mean"] > 0 for h in hist[1:])  # the workers ran ahead of the update
+
+
+def test_an_agent_program_through_the_gateway_on_the_workers_is_the_in_process_rollout(
+    local_ray, tokenizer, tool_model_dir
+):
+    """Each worker runs the OpenAI-SDK agent as a command against a gateway of its own: the episodes are the
+    trainer process's, token for token, and every continuation merged."""
+    from transformers import AutoModelForCausalLM
+
+    from agent_r1.gateway import ProgramEnvFactory
+    from tests.gateway.test_env import AGENT, TASK
+
+    model = AutoModelForCausalLM.from_pretrained(tool_model_dir)
+    factory = ProgramEnvFactory(tokenizer, command=AGENT, reward="tests.gateway.test_train:reward", max_turns=3)
+    rollout = RolloutConfig(temperature=1.0, max_new_tokens=40)
+    pool = RayRollout(ClusterConfig(rollout_workers=2), rollout, model, tokenizer, factory, 0, "fp32")
+    try:
+        pool.sync_weights(model)
+        got = pool.run([TASK] * 3, 2, seed=5)
+    finally:
+        pool.shutdown()
+    want = AgentEnvLoop(LocalEngine(model, tokenizer), factory, rollout.sampling(), seed=5).run_sync([TASK] * 3, 2)
+    assert all(t.termination == Termination.ANSWERED for t in got), [t.error for t in got]
+    assert episodes(got) == episodes(want) and sum(t.reward for t in got) > 0
+    assert all(t.metrics.get("gateway/merged_steps", 0.0) == len(t.steps) - 1 for t in got)
+    assert any(len(t.steps) > 1 for t in got)
