@@ -3,8 +3,9 @@
 The precision policy (as in verl's FSDP workers and Megatron's mixed precision):
 - training keeps fp32 master weights and fp32 AdamW state; `dtype=bf16` runs the forward and backward
   matrix products in bf16 under `torch.autocast`, so the optimizer never rounds an update away;
-- log-softmax, log-probs, entropies, losses and advantages are always fp32 (the trainer casts logits
-  to fp32 before the log-softmax; a bf16 log-prob is off by ~1e-2, the size of a PPO clip);
+- the LM head, log-softmax, log-probs, entropies, losses and advantages are always fp32: the head runs
+  outside autocast (`Fp32Head`), because logits rounded to bf16 are off by up to |z| * 2^-9 (0.06 nats
+  at a logit of 30), and a bf16 log-prob by ~1e-2, the size of a PPO clip;
 - inference-only commands (eval, chat, serve) have no optimizer, so `dtype=bf16` stores the weights in
   bf16: half the memory, the same compute as autocast.
 bf16 is a GPU choice: CPUs without AMX run it slower than fp32 (docs/benchmarks.md), and the oneDNN
@@ -21,6 +22,8 @@ import contextlib
 from typing import Literal
 
 import torch
+
+from agent_r1.models.onednn import OneDNNLinear
 
 Device = Literal["auto", "cpu", "cuda"]
 Precision = Literal["fp32", "bf16"]
@@ -45,11 +48,31 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def set_precision(model: torch.nn.Module, precision: str) -> torch.nn.Module:
-    """Record the compute dtype on the model: fp32, or bf16 autocast over fp32 weights."""
+    """Record the compute dtype on the model: fp32, or bf16 autocast over fp32 weights (the LM head
+    then runs in fp32, see `Fp32Head`)."""
     if precision not in TORCH_DTYPES:
         raise ValueError(f"dtype must be fp32 or bf16, got {precision!r}")
     setattr(model, _ATTR, TORCH_DTYPES[precision])
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    plain = type(head) in (torch.nn.Linear, OneDNNLinear)  # not a peft layer or a quantised one
+    if precision != "fp32" and plain and head.weight.dtype == torch.float32:
+        head.__class__ = Fp32Head  # the same module and weights (ties, state dict, peft untouched)
     return model
+
+
+class Fp32Head(OneDNNLinear):
+    """The LM head in fp32 inside bf16 autocast: what the trainer's log-softmax and the engines' sampling read.
+
+    Under autocast a linear layer rounds its input and weight to bf16 and returns bf16 logits: 8 bits of
+    mantissa, an error of up to |z| * 2^-9 per logit, so 0.06 nats at a logit of 30, where a PPO clip
+    range is 0.2. The weights are fp32 master weights (training), so running the head in fp32 upcasts
+    only the hidden states it is given ([M, H]); it costs one fp32 matrix product over the sampled
+    positions (the trainer skips the head elsewhere). Set by `set_precision`; models stored in bf16 for
+    inference keep a bf16 head. A `OneDNNLinear` subclass: on a CPU the fp32 product is oneDNN's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return super().forward(x.float())
 
 
 def autocast(model: torch.nn.Module) -> contextlib.AbstractContextManager:

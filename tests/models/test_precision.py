@@ -88,6 +88,31 @@ def test_bf16_autocasts_matrix_products_over_fp32_weights_and_keeps_logprobs_fp3
         set_precision(model, "fp16")
 
 
+def test_the_lm_head_runs_in_fp32_under_bf16_autocast_and_large_logits_keep_their_log_probs():
+    """bf16 logits at |z| ~ 30 would be off by up to 0.06 nats; the head runs in fp32 over the fp32 hidden
+    states, so the trainer's log-probs under bf16 are the fp32 log-softmax of those states to 1e-5."""
+    model = make_tiny_llama(64, hidden=32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(40)  # large logits, as a trained model's peaked ones
+    (mb,) = pack(rows(), 256, min_shared_prefix=100)
+    set_precision(model, "bf16")
+    assert type(model.lm_head).__name__ == "Fp32Head" and model.lm_head.weight.dtype == torch.float32
+    logp, _, states = token_logprobs(model, mb, hidden=True)
+    targets = mb.mask.nonzero().squeeze(-1)
+    logits = states[targets - 1].float() @ model.lm_head.weight.T  # [M, V] fp32, by hand, outside autocast
+    assert logits.abs().max() > 20
+    picked = torch.arange(len(targets)), mb.input_ids[targets]
+    want = torch.log_softmax(logits, -1)[picked]
+    assert (logp[targets] - want).abs().max() < 1e-5
+    # what a bf16 head would give from the same states: far off, so the check above can tell the two apart
+    rounded = (states[targets - 1].bfloat16() @ model.lm_head.weight.T.bfloat16()).float()
+    assert (torch.log_softmax(rounded, -1)[picked] - want).abs().max() > 1e-2
+    with autocast(model):  # the engines' forward too: the head's output is fp32 under autocast
+        assert model(torch.tensor([[5, 6, 7]])).logits.dtype == torch.float32
+    stored_bf16 = make_tiny_llama(64, hidden=32).to(torch.bfloat16)  # inference weights in bf16: left alone
+    assert type(set_precision(stored_bf16, "bf16").lm_head).__name__ != "Fp32Head"
+
+
 def test_rng_state_round_trip():
     state = rng_state()
     a = torch.rand(3)
