@@ -3,9 +3,19 @@ AdamW state; a layer's full weights exist only while it runs (PyTorch's FSDP2 de
 torchtitan and verl's FSDP workers).
 
 Units: each decoder layer, then the whole model as the root (embeddings, final norm and LM head, tied
-or not, in one unit). Gradients are reduce-scattered as *sums*, not means: the trainer's losses are
-already normalised by the whole mini-batch's token count (all-reduced), so summing the ranks' shares
-gives exactly the single-process gradient.
+or not, in one unit).
+
+Precision (`dtype=bf16`): FSDP2's `MixedPrecisionPolicy`, not autocast. Each decoder layer is gathered
+in bf16 (half the all-gather bytes) and computes in bf16; its gradients are reduce-scattered in fp32
+into the fp32 master shards. The root stays fp32, so the LM head computes fp32 logits for the fp32
+log-softmax (models/precision.py). Autocast would have moved fp32 weights in every collective, and
+its cast copies of each gathered layer's weights, saved for backward, add up to a bf16 copy of the whole
+unsharded model on every rank after each forward; the policy frees a layer's bf16 weights after its
+forward and gathers them again for its backward.
+
+Gradients are reduce-scattered as *sums*, not means: the trainer's losses are already normalised by
+the whole mini-batch's token count (all-reduced), so summing the ranks' shares gives exactly the
+single-process gradient.
 
 The trainer reads log-probs through the decoder and the LM head separately (trainer/batching.py:
 logits only where a sampled token is predicted), not through `model.forward`. FSDP2 gathers the root's
@@ -17,17 +27,23 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+from agent_r1.models.precision import compute_dtype, set_precision
 
 ROOT_FORWARD = "agent_r1_forward"
 
 
 def shard(model: torch.nn.Module) -> torch.nn.Module:
-    """Shard `model` in place across the process group's ranks (decoder layers, then the root)."""
+    """Shard `model` in place across the process group's ranks (decoder layers in its compute dtype, then
+    the root in fp32; see the module docstring)."""
+    dtype = compute_dtype(model)
+    layers = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in _decoder_layers(model):
-        fully_shard(layer)
+        fully_shard(layer, mp_policy=layers)
     setattr(model, ROOT_FORWARD, _call)
-    fully_shard(model)
+    fully_shard(model)  # the default policy: fp32 parameters, fp32 gradients
+    set_precision(model, "fp32")  # no autocast on top: the policy casts (the LM head stays an Fp32Head)
     register_fsdp_forward_method(model, ROOT_FORWARD)
     for m in model.modules():
         if isinstance(m, FSDPModule):

@@ -75,10 +75,15 @@ class Fp32Head(OneDNNLinear):
             return super().forward(x.float())
 
 
+def compute_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype `set_precision` recorded (fp32 when none was)."""
+    return getattr(model, _ATTR, torch.float32)
+
+
 def autocast(model: torch.nn.Module) -> contextlib.AbstractContextManager:
     """bf16 autocast on the model's device when `set_precision(model, "bf16")` was called; else nothing.
     Autocast is per thread: the local engine's decode thread enters it itself."""
-    dtype = getattr(model, _ATTR, torch.float32)
+    dtype = compute_dtype(model)
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=model_device(model).type, dtype=dtype)
