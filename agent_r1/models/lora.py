@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from agent_r1.models.precision import cpu_copy
+
 
 @dataclass
 class LoraConfig:
@@ -22,10 +24,11 @@ class LoraConfig:
     """module names that get adapters"""
 
 
-def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
+def merged_copy(model: torch.nn.Module, cpu: bool = False) -> torch.nn.Module:
     """A copy of the policy as a plain model: LoRA adapters folded into the weights (peft's
-    `merge_and_unload`), tied weights still tied; the trainer's model is left untouched."""
-    copied = copy.deepcopy(model)
+    `merge_and_unload`), tied weights still tied; the trainer's model is left untouched. `cpu`: the
+    copy is made on the CPU, never on the model's GPU (exports, checkpoints, what Ray ships)."""
+    copied = cpu_copy(model) if cpu else copy.deepcopy(model)
     return copied.merge_and_unload() if hasattr(copied, "merge_and_unload") else copied
 
 

@@ -19,6 +19,8 @@ decode thread, the trainer's micro-batches, the reference and the critic — pic
 from __future__ import annotations
 
 import contextlib
+import copy
+import itertools
 from typing import Literal
 
 import torch
@@ -45,6 +47,21 @@ def resolve_device(name: str) -> torch.device:
 def model_device(model: torch.nn.Module) -> torch.device:
     """The device of the model's first parameter (every tensor fed to it is created there)."""
     return next(model.parameters()).device
+
+
+def cpu_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` with every parameter and buffer on the CPU, made without a copy on its device.
+
+    `copy.deepcopy` of a model on a GPU clones every weight there first: a whole extra model in GPU
+    memory, while vLLM holds its share (an export, a checkpoint, the model Ray ships to its workers).
+    Here each tensor goes to the CPU once (tied weights stay one tensor) and the module tree is copied
+    around the copies (deepcopy's memo), so no weight is ever cloned on the GPU."""
+    memo: dict[int, object] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if id(t) not in memo:
+            data = t.detach().to("cpu", copy=True)
+            memo[id(t)] = torch.nn.Parameter(data, t.requires_grad) if isinstance(t, torch.nn.Parameter) else data
+    return copy.deepcopy(model, memo)
 
 
 def set_precision(model: torch.nn.Module, precision: str) -> torch.nn.Module:

@@ -36,8 +36,9 @@ _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The parameters that training changes: all of them, or only the LoRA adapters."""
-    return {n: p.detach().contiguous().clone() for n, p in model.named_parameters() if p.requires_grad}
+    """The parameters that training changes: all of them, or only the LoRA adapters, copied to the CPU
+    (never cloned on a GPU, where vLLM may hold the rest of the memory)."""
+    return {n: p.detach().to("cpu", copy=True).contiguous() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def save_checkpoint(
@@ -258,7 +259,7 @@ def export_policy(
     tmp = Path(tempfile.mkdtemp(dir=out.parent if out.parent.exists() else None, prefix=".export-new-"))
     tmp = tmp.rename(tmp.with_name(f"{tmp.name}-{out.name}"))
     try:
-        policy = merged_copy(model)
+        policy = merged_copy(model, cpu=True)
         policy.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if info is not None:

@@ -50,7 +50,7 @@ from agent_r1.distributed.ray_rollout import RayRollout, connect_ray
 from agent_r1.env.base import Env
 from agent_r1.models.loading import load_model, load_processor, place_model, resolve_model_path
 from agent_r1.models.lora import merged_copy, with_lora
-from agent_r1.models.precision import model_device
+from agent_r1.models.precision import cpu_copy, model_device
 from agent_r1.models.vision import image_token_id
 from agent_r1.observe.health import HealthMonitor
 from agent_r1.observe.loggers import Loggers
@@ -401,13 +401,14 @@ def _engine_source(
     cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, run_dir: Path, from_config: bool
 ) -> str | torch.nn.Module:
     """What a rollout engine other than the trainer's own starts from (its weights are synced anyway):
-    the config's model; for a model passed in, a copy on disk for vLLM (which loads a directory), or the
-    model object (LoRA merged) that Ray ships to its workers."""
+    the config's model; for a model passed in, a copy on disk for vLLM (which loads a directory), or a
+    copy on the CPU (LoRA merged) that Ray ships to its workers: a worker may have no GPU to unpickle
+    CUDA tensors on."""
     if from_config:
         return str(resolve_model_path(cfg.model))
     if cfg.rollout.engine == "vllm":
         return str(export_policy(policy, tokenizer, run_dir / "vllm_init"))
-    return merged_copy(policy) if cfg.lora.enabled else policy
+    return merged_copy(policy, cpu=True) if cfg.lora.enabled else cpu_copy(policy)
 
 
 def _rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:

@@ -5,11 +5,20 @@ without an explicit device then lands on `meta` and any op mixing it with the mo
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
 
-from agent_r1.models.precision import autocast, model_device, resolve_device, rng_state, set_precision, set_rng_state
+from agent_r1.models.precision import (
+    autocast,
+    cpu_copy,
+    model_device,
+    resolve_device,
+    rng_state,
+    set_precision,
+    set_rng_state,
+)
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.trainer.batching import Row, pack, token_logprobs
@@ -139,3 +148,52 @@ def test_the_policy_update_creates_nothing_off_the_models_device(tmp_path, overr
         out = policy_update(model, critic, data, optimizer, scheduler, params, cfg, 0)
     assert out["updates"] == 1 and out["skipped_nonfinite"] == 0
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@contextlib.contextmanager
+def no_tensor_deepcopy():
+    """Deep-copying a tensor (what `copy.deepcopy(model)` does to each weight, on the weight's device) raises."""
+
+    def refuse(self, memo):
+        raise AssertionError(f"a {tuple(self.shape)} tensor was deep-copied on {self.device}")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "__deepcopy__", refuse)
+        patch.setattr(torch.nn.Parameter, "__deepcopy__", refuse)
+        yield
+
+
+def test_cpu_copy_moves_each_weight_once_and_never_clones_one_where_it_lives():
+    model = make_tiny_llama(64, hidden=32)
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied
+    model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
+    with no_tensor_deepcopy():
+        with pytest.raises(AssertionError, match="deep-copied"):
+            copy.deepcopy(model)  # the refusal is real: a plain deepcopy clones every weight in place
+        copied = cpu_copy(model)
+    assert copied.lm_head.weight is copied.model.embed_tokens.weight  # still tied
+    assert not copied.model.layers[0].mlp.up_proj.weight.requires_grad
+    originals = {p.data_ptr() for p in model.parameters()} | {b.data_ptr() for b in model.buffers()}
+    for name, t in [*copied.named_parameters(), *copied.named_buffers()]:
+        assert t.device.type == "cpu" and t.data_ptr() not in originals, name
+    want, got = model.state_dict(), copied.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], t) for k, t in got.items())
+    x = torch.tensor([[5, 6, 7]])
+    assert torch.equal(model(x).logits, copied(x).logits)
+
+
+def test_exports_checkpoints_and_rays_model_are_copied_to_the_cpu_not_cloned_on_the_device(tmp_path, tokenizer):
+    from agent_r1.config import load_config
+    from agent_r1.trainer.checkpoint import export_policy, trainable_state
+    from agent_r1.trainer.config import TrainConfig
+    from agent_r1.trainer.rl import _engine_source
+
+    model = make_tiny_llama(len(tokenizer), hidden=32)
+    cfg = load_config(TrainConfig, None, ["cluster.rollout_workers=2"])
+    with no_tensor_deepcopy():
+        export_policy(model, tokenizer, tmp_path / "export")
+        state = trainable_state(model)
+        shipped = _engine_source(cfg, model, tokenizer, tmp_path, from_config=False)
+    assert (tmp_path / "export" / "model.safetensors").exists()
+    assert state.keys() == dict(model.named_parameters()).keys()
+    assert shipped is not model and all(p.device.type == "cpu" for p in shipped.parameters())

@@ -104,7 +104,7 @@ def test_a_killed_export_loses_nothing_and_leaves_nothing(tmp_path, tokenizer, m
     (tmp_path / ".export-old-policy").mkdir()  # the state a kill between the renames leaves
     (tmp_path / ".export-old-policy" / "agent_r1.json").write_text('{"previous": true}')
     (tmp_path / ".export-new-abc123-policy").mkdir()  # a half-written export
-    monkeypatch.setattr(checkpoint, "merged_copy", lambda m: (_ for _ in ()).throw(OSError("disk full")))
+    monkeypatch.setattr(checkpoint, "merged_copy", lambda m, cpu: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError, match="disk full"):
         checkpoint.export_policy(model, tokenizer, out, info={"new": True})
     assert json.loads((out / "agent_r1.json").read_text()) == {"previous": True}  # put back, not lost
