@@ -125,11 +125,19 @@ class VLLMEngine:
         sleep: bool = False,
         max_num_seqs: int = 256,
         kv_cache_gb: float | None = None,
+        seed_requests: bool | None = None,
     ) -> None:
         """`model_path` is a Hugging Face directory (the policy's starting weights). `kv_cache_gb` sizes
         the KV cache; None leaves it to `gpu_memory_utilization` on a GPU and makes it 4 GiB on a CPU,
         because there vLLM counts this whole process (the trainer too) against that share of the RAM.
-        `sleep` turns on vLLM's sleep mode (CUDA only) so `sleep()` can free its memory for the update."""
+        `sleep` turns on vLLM's sleep mode (CUDA only) so `sleep()` can free its memory for the update.
+
+        `seed_requests` (None: on a CPU only) gives every request its own seed (its params' seed + its
+        index, as `LocalEngine`): the same prompt with the same seed alone in a batch samples the same
+        tokens. vLLM samples a seeded request with a generator of its own, one request at a time at every
+        step (its sampler's "can be slow" path, and never FlashInfer's). On a GPU, where batch composition
+        changes the logits' last bits and so the samples anyway, requests go unseeded: vLLM's engine-wide
+        generator, seeded once with `seed`, samples the whole batch at once."""
         import torch
         from transformers import AutoConfig
 
@@ -171,6 +179,7 @@ class VLLMEngine:
         self.asleep = False
         self.weights_version = 0
         self._seeds = random.Random(seed)
+        self._seed_requests = self._cpu if seed_requests is None else seed_requests
         self._ids = itertools.count()
         self._queue: list[_Request] = []  # submitted, not yet given to vLLM
         self._running: dict[str, _Request] = {}  # given to vLLM, not finished (the driver thread's)
@@ -197,7 +206,8 @@ class VLLMEngine:
         requests = []
         for i, p in enumerate(prompts):
             budget = min(params.max_new_tokens, self.max_context - len(p))  # as LocalEngine: capped by the context
-            vparams = self.sampling_params(params, base + i, budget) if p and budget > 0 else None
+            seed = base + i if self._seed_requests else None
+            vparams = self.sampling_params(params, seed, budget) if p and budget > 0 else None
             requests.append(_Request(f"r{next(self._ids)}", list(p), vparams, loop.create_future(), loop))
         with self._cond:
             if self._closed:
@@ -210,7 +220,7 @@ class VLLMEngine:
             self._abort([r.request_id for r in requests])
             raise
 
-    def sampling_params(self, params: SamplingParams, seed: int, max_tokens: int) -> Any:
+    def sampling_params(self, params: SamplingParams, seed: int | None, max_tokens: int) -> Any:
         """Our sampling params as vLLM's: the sampled token's log-prob, stop strings kept in the text
         (so a response that stopped at `</tool_call>` still contains it), special tokens kept."""
         return self._vllm.SamplingParams(

@@ -27,6 +27,9 @@ class VLLMConfig:
     """no CUDA graphs / torch.compile: starts in seconds; set false on a GPU for faster decoding"""
     sleep: bool = True
     """on a GPU, free vLLM's memory during the update (vLLM's sleep mode) and wake it for the rollout"""
+    seed_requests: bool | None = None
+    """a seed on every request (seed + trajectory + turn); None = on a CPU only. On a GPU a seeded request
+    takes vLLM's per-request sampling path at every step, and batches are not reproducible anyway"""
 
 
 @dataclass
@@ -70,6 +73,7 @@ class RolloutConfig:
         return {
             "dtype": TORCH_DTYPES[dtype], "seed": seed, "gpu_memory_utilization": v.gpu_memory_utilization,
             "enforce_eager": v.enforce_eager, "max_num_seqs": self.max_batch_size, "kv_cache_gb": v.kv_cache_gb,
+            "seed_requests": v.seed_requests,
         }  # fmt: skip
 
 
