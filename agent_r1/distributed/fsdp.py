@@ -25,9 +25,11 @@ weights only around a forward, so `ROOT_FORWARD` is registered as one: `model.ag
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
 
 from agent_r1.models.precision import compute_dtype, set_precision
 
@@ -63,14 +65,19 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(max(lists, key=len)) if lists else []
 
 
-def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded weights, on every rank (an all-gather per tensor), under the plain model's names."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+@torch.no_grad()
+def iter_full_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The unsharded weights one tensor at a time (an all-gather each, every rank in the same order), under
+    the plain model's names. One at a time: gathering the whole state dict first (`get_model_state_dict`
+    with `full_state_dict=True`) holds a whole fp32 model on every GPU beside the shards."""
+    for name, t in model.state_dict().items():
+        yield name, t.full_tensor() if isinstance(t, DTensor) else t
 
 
 @torch.no_grad()
 def copy_full_weights(sharded: torch.nn.Module, plain: torch.nn.Module) -> None:
-    """Gather `sharded`'s weights into the unsharded copy `plain` (the rollout model, the export)."""
+    """Gather `sharded`'s weights into the unsharded copy `plain` (the rollout model, the export) tensor by
+    tensor: `plain` may live on the CPU (a vLLM or remote engine), and no whole gathered model ever exists."""
     target = plain.state_dict()
-    for name, t in full_weights(sharded).items():
+    for name, t in iter_full_weights(sharded):
         target[name].copy_(t)

@@ -50,7 +50,7 @@ from agent_r1.distributed.ray_rollout import RayRollout, connect_ray
 from agent_r1.env.base import Env
 from agent_r1.models.loading import load_model, load_processor, place_model, resolve_model_path
 from agent_r1.models.lora import merged_copy, with_lora
-from agent_r1.models.precision import cpu_copy, model_device
+from agent_r1.models.precision import cpu_copy, model_device, resolve_device
 from agent_r1.models.vision import image_token_id
 from agent_r1.observe.health import HealthMonitor
 from agent_r1.observe.loggers import Loggers
@@ -130,7 +130,7 @@ def train(
     critic = Critic(policy, cfg.algo.critic).to(model_device(policy)) if cfg.algo.estimator == "ppo" else None
     plain = policy  # the unsharded model that rolls out, validates and is exported
     if dist.world > 1:  # FSDP2: each rank keeps 1/N of the trained weights; `plain` gets them after each step
-        plain = copy.deepcopy(policy)
+        plain = _unsharded_copy(cfg, policy)
         fsdp.shard(policy)
         if critic is not None:
             fsdp.shard(critic)
@@ -337,6 +337,15 @@ def train(
 # --- set-up, weight sync, metrics --------------------------------------------------
 
 
+def _unsharded_copy(cfg: TrainConfig, policy: torch.nn.Module) -> torch.nn.Module:
+    """Under torchrun, the unsharded model each rank keeps: on the policy's device when it decodes there
+    (the local engine; the Ray workers' validation engine), on the CPU when vLLM or a server samples, which
+    only read its weights at each sync: a whole fp32 model less on every GPU."""
+    if cfg.rollout.engine == "local" or cfg.cluster.rollout_workers:
+        return copy.deepcopy(policy)
+    return cpu_copy(policy)
+
+
 def _weight_sync(
     dist: Dist, policy: torch.nn.Module, plain: torch.nn.Module, engine: Any | None, workers: RayRollout | None
 ) -> Callable[[], dict[str, float]]:
@@ -390,7 +399,7 @@ def _engine(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, run_dir: 
     if r.engine == "remote":
         return RemoteEngine(r.url, sync_dir=str(run_dir / "weight_sync"))
     if r.engine == "vllm":
-        cuda = model_device(policy).type == "cuda"
+        cuda = resolve_device(cfg.device).type == "cuda"  # `policy` may be a CPU copy (`_unsharded_copy`)
         path = _engine_source(cfg, policy, tokenizer, run_dir, from_config)
         sleep = r.vllm.sleep and cuda and not r.max_staleness  # asynchronous: it rolls out during the update
         return VLLMEngine(path, sleep=sleep, **r.vllm_options(cfg.dtype, cfg.seed))

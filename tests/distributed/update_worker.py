@@ -53,7 +53,7 @@ def main(out: str, estimator: str) -> None:
     metrics = policy_update(policy, critic, rows, optimizer, scheduler, params, cfg, step=0, dist=dist)
     state = {}
     for name, m in modules.items():
-        full = fsdp.full_weights(m) if dist.world > 1 else m.state_dict()
+        full = dict(fsdp.iter_full_weights(m)) if dist.world > 1 else m.state_dict()
         state |= {f"{name}.{k}": v.detach().clone().contiguous() for k, v in full.items()}
     if dist.main:
         state = {k: v for k, v in state.items() if not k.endswith("lm_head.weight")}  # tied to embed_tokens
