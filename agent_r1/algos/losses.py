@@ -25,10 +25,15 @@ def _masked(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask > 0, x, torch.zeros_like(x))
 
 
-def _masked_mean(x: Tensor, mask: Tensor) -> float:
-    """Metric helper: masked mean as a float (0.0 when nothing is masked)."""
-    n = float(mask.sum())
-    return float((_masked(x, mask) * mask).sum()) / n if n > 0 else 0.0
+def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Metric helper: masked mean as a detached 0-d tensor (0 when nothing is masked). Metrics stay on the
+    device: the trainer reads them once per update, not with a host sync at every micro-batch."""
+    return ((_masked(x, mask) * mask).sum() / mask.sum().clamp(min=1)).detach()
+
+
+def _masked_max(x: Tensor, mask: Tensor) -> Tensor:
+    """Metric helper: the largest masked entry of a non-negative `x` as a detached 0-d tensor (0 when none)."""
+    return (x.detach() * (mask > 0)).max() if x.numel() else x.new_zeros(())
 
 
 def _seq_sums(x: Tensor, mask: Tensor, seq_ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -109,8 +114,7 @@ def _clipped_pg(
 
 def _pg_metrics(
     log_ratio: Tensor, ratio: Tensor, mask: Tensor, is_clipped: Tensor, is_dual: Tensor
-) -> dict[str, float]:
-    on = mask > 0
+) -> dict[str, Tensor]:
     with torch.no_grad():
         # k3 estimate of KL(pi_old || pi) on tokens sampled from pi_old: (r - 1) - log r >= 0
         k3 = ratio - 1.0 - log_ratio
@@ -118,7 +122,7 @@ def _pg_metrics(
             "clip_frac": _masked_mean(is_clipped.to(mask.dtype), mask),
             "dual_clip_frac": _masked_mean(is_dual.to(mask.dtype), mask),
             "approx_kl": _masked_mean(k3, mask),
-            "ratio_max": float(ratio[on].max()) if bool(on.any()) else 0.0,
+            "ratio_max": _masked_max(ratio, mask),
         }
 
 
@@ -136,7 +140,7 @@ def ppo_policy_loss(
     n_tokens: float | None = None,
     n_seqs: float | None = None,
     norm_len: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017, arXiv 1707.06347), token level.
 
     Per token, r = exp(logp - old_logp) and loss = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A).
@@ -168,7 +172,7 @@ def gspo_policy_loss(
     n_tokens: float | None = None,
     n_seqs: float | None = None,
     norm_len: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO, Group Sequence Policy Optimization (Zheng et al. 2025, arXiv 2507.18071), GSPO-token form.
 
     The importance ratio is per sequence: s_i = exp(mean over the sequence's masked tokens of
@@ -192,7 +196,7 @@ def gspo_policy_loss(
     per_token, is_clipped, is_dual = _clipped_pg(s, adv, clip_low, clip_high, dual_clip)  # [N]
     loss = aggregate(per_token, mask, seq_ids, agg, n_tokens, n_seqs, norm_len)
     metrics = _pg_metrics(token_log_ratio, torch.exp(token_log_ratio), mask, is_clipped, is_dual)
-    metrics["seq_ratio_max"] = float(s.detach()[mask > 0].max()) if bool((mask > 0).any()) else 0.0
+    metrics["seq_ratio_max"] = _masked_max(s, mask)
     return loss, metrics
 
 
@@ -227,7 +231,7 @@ def value_loss(
     n_tokens: float | None = None,
     n_seqs: float | None = None,
     norm_len: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss of PPO2 (OpenAI baselines; verl), per token:
 
     0.5 * max((v - R)^2, (v_old + clamp(v - v_old, -clip, clip) - R)^2). `clip=None` gives the plain

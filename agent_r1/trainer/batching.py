@@ -75,6 +75,9 @@ class MicroBatch:
     returns: torch.Tensor | None
     rows: list[Row]  # the rows, in the order they are concatenated
     prefix_len: int = 0
+    # [M] positions of the sampled tokens (mask == 1), found on the CPU while packing: `nonzero` on the
+    # device would wait for the GPU at every micro-batch (its output size is data-dependent)
+    targets: torch.Tensor | None = None
 
     @property
     def images(self) -> list[Image]:
@@ -213,6 +216,7 @@ def _concat(rows: list[Row], prefix_len: int, device: torch.device | str = "cpu"
         return None if parts[0] is None else torch.cat(parts).to(device, non_blocking=True)
 
     positions = torch.cat([torch.arange(len(r.input_ids), device=device) for r in rows])
+    targets = torch.cat([r.mask for r in rows]).nonzero().squeeze(-1).to(device, non_blocking=True)
     return MicroBatch(
         input_ids=cat("input_ids"),
         position_ids=positions,
@@ -225,6 +229,7 @@ def _concat(rows: list[Row], prefix_len: int, device: torch.device | str = "cpu"
         returns=cat("returns"),
         rows=rows,
         prefix_len=prefix_len,
+        targets=targets,
     )
 
 
@@ -246,7 +251,7 @@ def token_logprobs(
     to inputs [L, H] (zeros inside a shared prefix that was run once) or None.
     """
     ops = _logit_ops(model)  # before the forward, so that an unsupported model fails at once
-    targets = mb.mask.nonzero().squeeze(-1)  # [M] positions of sampled tokens
+    targets = mb.targets if mb.targets is not None else mb.mask.nonzero().squeeze(-1)  # [M] sampled positions
     with autocast(model):  # bf16 matrix products when dtype=bf16; everything after the head is fp32
         states, logits = _as_forward(model, _states_and_logits, model, mb, targets)  # [L, H], [M, V]
     logits = logits.float()  # [M, V]

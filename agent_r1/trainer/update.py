@@ -60,7 +60,7 @@ def policy_update(
                 continue
             agg = {"mode": a.loss_agg, "n_tokens": n_tokens, "n_seqs": n_seqs, "norm_len": norm_len}
             optimizer.zero_grad(set_to_none=True)
-            finite = True
+            nonfinite = torch.zeros((), dtype=torch.bool, device=device)  # read once, after the micro-batches
             micro = pack(mine, o.micro_batch_tokens, device=device)
             filler = micro[0] if micro else pack(batch[:1], o.micro_batch_tokens, device=device)[0]
             for i in range(dist.max(len(micro))):
@@ -76,7 +76,7 @@ def policy_update(
                 if a.kl_coef > 0 and a.kl_mode == "loss":
                     kl_tok = kl_penalty(logp, mb.ref_logp, a.kl_estimator)  # [L]
                     loss = loss + a.kl_coef * aggregate(kl_tok, mb.mask, mb.seg, **agg)
-                    m["kl"] = float((kl_tok.detach() * mb.mask).sum() / mb.mask.sum().clamp(min=1))
+                    m["kl"] = (kl_tok.detach() * mb.mask).sum() / mb.mask.sum().clamp(min=1)
                 if a.entropy_coef > 0:
                     loss = loss - a.entropy_coef * aggregate(entropy, mb.mask, mb.seg, **agg)
                 if critic is not None:  # value targets: every sampled token, or each step's first one
@@ -85,24 +85,22 @@ def policy_update(
                         clip=a.value_clip, agg="token-mean", n_tokens=n_tokens if a.gae_level == "token" else n_seqs,
                     )  # fmt: skip
                     loss = loss + a.vf_coef * vl
-                    m |= vm | {"value_loss": vl.item()}
+                    m |= vm | {"value_loss": vl.detach()}
                 if weight == 0.0:  # a filler: its backward only keeps FSDP's collectives in step
                     (loss * 0.0).backward()
                     continue
                 if updates == 0:  # weights are still the rollout's: any difference is drift, not learning
-                    drift.append((logp.detach() - mb.old_logp)[mb.mask > 0].abs())
-                if not torch.isfinite(loss):
-                    finite = False
-                    if dist.world == 1:
-                        break
-                    (loss * 0.0).backward()  # the other ranks' reduce-scatters need this rank's backward too;
-                    continue  # its NaN gradient is dropped with the step, which every rank skips
+                    drift.append(_drift(logp.detach(), mb.old_logp, mb.mask))
+                # a non-finite loss still runs its backward (other ranks' reduce-scatters need this rank's);
+                # its NaN gradients are dropped with the step, which every rank skips. Checked once, below:
+                # a check here would wait for the device at every micro-batch
+                nonfinite |= ~torch.isfinite(loss.detach())
                 loss.backward()
                 train_tokens += mb.num_tokens
-                m["entropy"] = float((entropy.detach() * mb.mask).sum() / mb.mask.sum().clamp(min=1))
-                for k, v in m.items():
-                    stats.setdefault(k, []).append(float(v))
-            finite = dist.all(finite)
+                m["entropy"] = (entropy.detach() * mb.mask).sum() / mb.mask.sum().clamp(min=1)
+                for k, v in m.items():  # 0-d tensors on the device, read after the update
+                    stats.setdefault(k, []).append(v)
+            finite = dist.all(not bool(nonfinite))
             grad_norm = clip_grad_norm(params, o.grad_clip) if finite else torch.tensor(math.nan)
             if not finite or not torch.isfinite(grad_norm):
                 optimizer.zero_grad(set_to_none=True)  # never apply a NaN/inf update
@@ -114,10 +112,11 @@ def policy_update(
             stats.setdefault("grad_norm", []).append(float(grad_norm))
     policy.eval()
     optimizer.zero_grad(set_to_none=True)  # gradients are not kept through the rollout: 4 B/param for vLLM
-    stats, drift, train_tokens = _gathered(dist, stats, drift, train_tokens)
+    stats = {k: [float(x) for x in v] for k, v in stats.items()}  # the device is idle now: cheap reads
+    stats, drift, train_tokens = _gathered(dist, stats, [d.cpu() for d in drift], train_tokens)
     out = {k: sum(v) / len(v) for k, v in stats.items() if v}
-    if drift and (d := torch.cat(drift)).numel():
-        out |= {"logprob_drift_mean": float(d.mean()), "logprob_drift_max": float(d.max())}
+    if drift and (d := torch.stack(drift))[:, 1].sum() > 0:  # [n, 3]: sum, count, max per micro-batch
+        out |= {"logprob_drift_mean": float(d[:, 0].sum() / d[:, 1].sum()), "logprob_drift_max": float(d[:, 2].max())}
     return out | {"train_tokens": train_tokens, "skipped_nonfinite": skipped, "updates": updates}
 
 
@@ -132,11 +131,18 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
     return norm
 
 
+def _drift(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """|logp - old_logp| over the sampled tokens of a micro-batch as [sum, count, max], on the device (a
+    boolean-mask selection would wait for it)."""
+    d = (logp - old_logp).abs() * mask  # [L]
+    return torch.stack([d.sum(), mask.sum(), d.max() if d.numel() else d.new_zeros(())])
+
+
 def _gathered(dist: Dist, stats: dict, drift: list, train_tokens: int) -> tuple[dict, list, int]:
     """Every rank's metrics, drift and token count together (rank 0 logs them)."""
     if dist.world == 1:
         return stats, drift, train_tokens
-    parts = dist.gather((stats, [d.cpu() for d in drift], train_tokens))  # pickled: off the GPU first
+    parts = dist.gather((stats, drift, train_tokens))
     merged: dict[str, list[float]] = {}
     for rank_stats, _, _ in parts:
         for k, v in rank_stats.items():
