@@ -39,13 +39,16 @@ ROOT_FORWARD = "agent_r1_forward"
 def shard(model: torch.nn.Module) -> torch.nn.Module:
     """Shard `model` in place across the process group's ranks (decoder layers in its compute dtype, then
     the root in fp32; see the module docstring)."""
-    dtype = compute_dtype(model)
+    # the model's compute dtype, or its backbone's (a separate PPO critic wraps a copy of the policy)
+    bf16 = [m for m in model.modules() if compute_dtype(m) != torch.float32]
+    dtype = compute_dtype(bf16[0]) if bf16 else torch.float32
     layers = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in _decoder_layers(model):
         fully_shard(layer, mp_policy=layers)
     setattr(model, ROOT_FORWARD, _call)
     fully_shard(model)  # the default policy: fp32 parameters, fp32 gradients
-    set_precision(model, "fp32")  # no autocast on top: the policy casts (the LM head stays an Fp32Head)
+    for m in bf16:  # no autocast on top: the policy casts (an LM head stays an Fp32Head)
+        set_precision(m, "fp32")
     register_fsdp_forward_method(model, ROOT_FORWARD)
     for m in model.modules():
         if isinstance(m, FSDPModule):

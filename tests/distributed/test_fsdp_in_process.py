@@ -90,3 +90,16 @@ def test_under_torchrun_the_unsharded_copy_is_on_the_cpu_when_vllm_samples(overr
     else:
         plain = _unsharded_copy(cfg, model)  # the local engine decodes over it: the policy's device
     assert plain is not model and all(p.device == torch.device("cpu") for p in plain.parameters())
+
+
+def test_a_separate_critic_is_sharded_in_its_backbones_precision(gloo):
+    from agent_r1.trainer.critic import Critic
+
+    critic = Critic(set_precision(make_tiny_llama(64, hidden=32), "bf16"), "separate")
+    fsdp.shard(critic)
+    seen = []
+    layer = critic.backbone.model.layers[0].mlp.down_proj
+    layer.register_forward_hook(lambda m, args, out: seen.append((m.weight.dtype, torch.is_autocast_enabled("cpu"))))
+    (mb,) = pack(rows(), 256, min_shared_prefix=100)
+    critic(mb, None)  # its forward enters the backbone's autocast: none any more, the policy casts
+    assert seen == [(torch.bfloat16, False)]
