@@ -39,14 +39,12 @@ MAX_N = 16  # answers one request may ask for: n samples of one step cost n time
 
 
 class GatewayChatRequest(ChatCompletionRequest):
-    """A chat request as the SDKs send it; `n` is checked here, `tool_choice` when the episode renders it."""
+    """A chat request as the SDKs send it; `n` is checked here (with a message that says why), `tool_choice`
+    when the episode renders it. `response_format` is not enforced: the policy writes what it writes, and
+    the reward judges it."""
 
     n: int = 1
-    tool_choice: Any = None  # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}
     stream_options: dict[str, Any] | None = None  # {"include_usage": true}: a last chunk with the usage
-    # true: the model's turn ends when it ends it, with every call it wrote; false or absent: at its first call's
-    # end, as ToolEnv samples (a model that learned to stop there would otherwise run on into a made-up result)
-    parallel_tool_calls: bool | None = None
 
 
 class RewardReport(BaseModel):

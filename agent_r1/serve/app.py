@@ -2,7 +2,11 @@
 
 * `/v1/chat/completions` renders messages with the model's prompt format and the same hermes tools
   system prompt `ToolEnv` trains with, stops at `</tool_call>` as training rollouts do, and returns the
-  calls as OpenAI `tool_calls`. `stream=true` sends server-sent events.
+  calls as OpenAI `tool_calls` (with `parallel_tool_calls: true`, the model ends its turn itself, every
+  call it wrote returned). `tool_choice` `required` or a named function writes the call's opening at the
+  end of the prompt and the model samples the rest (`messages.forced_call`); `n` samples that many
+  answers, each with its own seed; `response_format` other than text is a 400 (no constrained decoding).
+  `stream=true` sends server-sent events.
 * `/v1/completions` takes token ids and returns token ids and log-probs (vLLM's field names), so
   `RemoteEngine` can drive it exactly like vLLM.
 * `/v1/load_weights` swaps in new weights from a safetensors file between two batches (the engine's
@@ -41,7 +45,7 @@ from agent_r1.rollout.engine import GenerateOutput, SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.text_stream import TextStream, visible_prefix
 from agent_r1.serve.http import install_error_handlers, sse
-from agent_r1.serve.messages import chat_result, check_unicode, template_messages, tool_schemas
+from agent_r1.serve.messages import chat_result, check_unicode, forced_call, template_messages, tool_schemas
 from agent_r1.serve.schema import APIError, ChatCompletionRequest, CompletionRequest, LoadWeightsRequest
 from agent_r1.types import Image, Message
 
@@ -91,30 +95,39 @@ class _API:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
         self._check_model(body.model)
+        self._check_chat(body)
         check_unicode(body)
         tools = tool_schemas(body.tools) if body.tools and body.tool_choice != "none" else []
+        forced = forced_call(body.tool_choice, tools)  # a forced call's opening ends the prompt
         prompt, images = await _off_loop(self._chat_prompt, template_messages(body.messages, tools))
+        prompt = prompt + (self.s.tokenizer.encode(forced, add_special_tokens=False) if forced else [])
         stops = body.stops + tuple(self.s.prompt_format.stop)
         max_tokens = self._budget(len(prompt), body.max_completion_tokens or body.max_tokens, "messages")
+        one_call = tools and not body.parallel_tool_calls
         params = SamplingParams(
             max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-            stop=((CALL_CLOSE,) if tools else ()) + stops, seed=body.seed,
+            stop=((CALL_CLOSE,) if one_call else ()) + stops, seed=body.seed,
         )  # fmt: skip
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.s.name}
+        rows = [prompt] * body.n  # choice k is sampled with seed + k (the engine's), as vLLM's n
         if body.stream:
-            return sse(self._chat_events(head, prompt, images, params, stops, bool(tools)))
-        (out,) = await self._generate(request, [prompt], params, images)
-        content, calls, finish = chat_result(out.text, stops, bool(tools), out.finish_reason)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-        if body.logprobs:
-            pairs = zip(out.token_ids, out.logprobs, strict=True)
-            choice["logprobs"] = {"content": [self._token_logprob(t, lp) for t, lp in pairs]}
-        response = head | {"object": "chat.completion", "choices": [choice], "usage": _usage([prompt], [out])}
+            return sse(self._chat_events(head, rows, images, params, stops, bool(tools), forced))
+        outs = await self._generate(request, rows, params, images)
+        choices = []
+        for k, out in enumerate(outs):
+            content, calls, finish = chat_result(forced + out.text, stops, bool(tools), out.finish_reason)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            choice = {"index": k, "message": message, "logprobs": None, "finish_reason": finish}
+            if body.logprobs:
+                pairs = zip(out.token_ids, out.logprobs, strict=True)
+                choice["logprobs"] = {"content": [self._token_logprob(t, lp) for t, lp in pairs]}
+            if body.return_token_ids:
+                choice |= {"token_ids": out.token_ids, "token_versions": out.versions}
+            choices.append(choice)
+        response = head | {"object": "chat.completion", "choices": choices, "usage": _usage(rows, outs)}
         if body.return_token_ids:
-            choice |= {"token_ids": out.token_ids, "token_versions": out.versions}
             response["prompt_token_ids"] = prompt
         return response
 
@@ -157,6 +170,23 @@ class _API:
             raise APIError(
                 404, f"The model `{model}` does not exist; this server serves `{self.s.name}`.",
                 param="model", code="model_not_found",
+            )  # fmt: skip
+
+    def _check_chat(self, body: ChatCompletionRequest) -> None:
+        """A 400 for what a chat request asks that this server cannot do: more answers than one batch holds,
+        or an output format it would have to enforce (JSON mode and JSON schemas need constrained decoding)."""
+        limit = self.s.engine.max_batch_size
+        if body.n > limit:
+            raise APIError(
+                400, f"n={body.n} is more answers than this server decodes at once ({limit}, max_batch_size)",
+                param="n",
+            )  # fmt: skip
+        kind = (body.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise APIError(
+                400, f"response_format type {kind!r} is not supported: this server does no constrained decoding, "
+                "so it cannot guarantee JSON; ask for JSON in the messages and parse the text",
+                param="response_format",
             )  # fmt: skip
 
     def _check_rows(self, body: CompletionRequest) -> None:
@@ -211,7 +241,7 @@ class _API:
         self, request: Request, prompts: list[list[int]], params: SamplingParams, images: list[Image] = ()
     ) -> list:
         """Whole responses, cancelled when the client disconnects or the deadline passes."""
-        extra = {"images": [list(images)]} if images else {}  # one prompt with images (a chat request)
+        extra = {"images": [list(images)] * len(prompts)} if images else {}  # a chat request's prompt, n times
         work = asyncio.ensure_future(self.s.engine.generate(prompts, params, **extra))
         gone = asyncio.ensure_future(_disconnected(request))
         self.generating += 1
@@ -234,7 +264,7 @@ class _API:
         """(next event, outputs): `await next_event()` gives (row, token, logprob) tuples, then None at
         the end or TimeoutError past the deadline; leaving the block cancels whatever still runs."""
         queue: asyncio.Queue = asyncio.Queue()
-        extra = {"images": [list(images)]} if images else {}
+        extra = {"images": [list(images)] * len(prompts)} if images else {}
         work = asyncio.ensure_future(self.s.engine.generate(prompts, params, lambda *ev: queue.put_nowait(ev), **extra))
         work.add_done_callback(lambda _: queue.put_nowait(None))  # after every token (same loop, FIFO)
         deadline = asyncio.get_running_loop().time() + self.s.request_timeout
@@ -253,25 +283,31 @@ class _API:
             self.generating -= 1
 
     async def _chat_events(
-        self, head: dict, prompt: list[int], images: list[Image], params: SamplingParams, stops: tuple[str, ...],
-        tools: bool,
+        self, head: dict, rows: list[list[int]], images: list[Image], params: SamplingParams,
+        stops: tuple[str, ...], tools: bool, forced: str,
     ) -> AsyncIterator[dict]:  # fmt: skip
-        def chunk(delta: dict, finish: str | None = None) -> dict:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        """Each choice's content as it is sampled (none inside a call, nor after a forced call's opening),
+        then its tool calls, whole, with its finish reason."""
+
+        def chunk(k: int, delta: dict, finish: str | None = None) -> dict:
+            choice = {"index": k, "delta": delta, "logprobs": None, "finish_reason": finish}
             return head | {"object": "chat.completion.chunk", "choices": [choice]}
 
-        yield chunk({"role": "assistant", "content": ""})
-        text = TextStream(self.s.tokenizer, self.eos_ids, ((CALL_OPEN,) if tools else ()) + stops)
-        async with self._tokens([prompt], params, images) as (next_event, outputs):
+        for k in range(len(rows)):
+            yield chunk(k, {"role": "assistant", "content": ""})
+        markers = ((CALL_OPEN,) if tools else ()) + stops
+        texts = [TextStream(self.s.tokenizer, self.eos_ids, markers) for _ in rows]
+        async with self._tokens(rows, params, images) as (next_event, outputs):
             while (event := await next_event()) is not None:
-                if delta := text.push(event[1]):
-                    yield chunk({"content": delta})
-            (out,) = outputs()
-        content, calls, finish = chat_result(out.text, stops, tools, out.finish_reason)
-        last: dict[str, Any] = {"content": rest} if (rest := text.finish(content or "")) else {}
-        if calls:
-            last["tool_calls"] = [c | {"index": k} for k, c in enumerate(calls)]
-        yield chunk(last, finish)
+                if not forced and (delta := texts[event[0]].push(event[1])):
+                    yield chunk(event[0], {"content": delta})
+            outs = outputs()
+        for k, out in enumerate(outs):
+            content, calls, finish = chat_result(forced + out.text, stops, tools, out.finish_reason)
+            last: dict[str, Any] = {"content": rest} if (rest := texts[k].finish(content or "")) else {}
+            if calls:
+                last["tool_calls"] = [c | {"index": i} for i, c in enumerate(calls)]
+            yield chunk(k, last, finish)
 
     async def _completion_events(
         self, head: dict, rows: list[list[int]], params: SamplingParams, body: CompletionRequest

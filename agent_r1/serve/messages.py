@@ -119,7 +119,7 @@ def forced_call(tool_choice: Any, tools: list[dict]) -> str:
     """The start of the answer that `tool_choice` fixes, "" when it forces nothing.
 
     "required" opens a call (`<tool_call>` and its newline); a named function opens a call to that function
-    up to its arguments, exactly as `format_tool_call` writes one. The prefix goes into the prompt, written
+    up to its arguments, as `format_tool_call` writes one. The prefix goes into the prompt, written
     by the environment, and the policy samples on from it: nothing it did not sample is trained as sampled,
     and the call it finishes is the one OpenAI's API promises. (vLLM forces the same with a JSON-schema
     grammar; a prefix needs no constrained decoding and works with every engine, at the price of the
@@ -143,7 +143,9 @@ def forced_call(tool_choice: Any, tools: list[dict]) -> str:
     if name not in names:
         message = f"tool_choice names the function {name!r}, which is not among the request's tools {names}"
         raise APIError(400, message, param="tool_choice")
-    return f'{CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": '
+    # no trailing space: BPE tokenizers fold a space into the token after it (` {`), so a prompt ending
+    # in a bare space is one no model has seen before its arguments
+    return f'{CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments":'
 
 
 def _runs_on_client(**_: Any) -> None:

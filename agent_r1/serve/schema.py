@@ -80,10 +80,15 @@ class ToolSpec(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolSpec] | None = None
-    tool_choice: Literal["none", "auto"] | None = None  # forcing a call is not supported
+    # "none", "auto", "required" or {"type": "function", "function": {"name": ...}} (messages.forced_call)
+    tool_choice: Any = None
+    # true: the model's turn ends when it ends it, with every call it wrote; false or absent: at its first
+    # call's end, as ToolEnv samples (a model that learned to stop there would run on into a made-up result)
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1)  # answers sampled from the same prompt, each with its own seed (seed + k)
     logprobs: bool = False
+    response_format: dict[str, Any] | None = None  # {"type": "text"} only: no constrained decoding
 
 
 class CompletionRequest(_Request):

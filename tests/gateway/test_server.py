@@ -182,9 +182,9 @@ async def test_a_forcing_tool_choice_opens_the_call_in_the_prompt_and_the_policy
     assert second.info["tool_calls"] == 1 and second.info["metrics"]["gateway/merged_steps"] == 1.0
     results = [{"role": "user", "content": format_tool_responses(["42"])}]
     context = first.token_ids + act.token_ids + fmt.continuation(results, False)  # the opening stays, as shown
-    named = tokenizer.encode('<tool_call>\n{"name": "calculator", "arguments": ', add_special_tokens=False)
+    named = tokenizer.encode('<tool_call>\n{"name": "calculator", "arguments":', add_special_tokens=False)
     assert second.observation.token_ids == context + named  # a named function: only its arguments are sampled
-    act2 = say(tokenizer, '{"expression": "42 * 1"}}\n</tool_call>')
+    act2 = say(tokenizer, ' {"expression": "42 * 1"}}\n</tool_call>')
     third = await env.step(act2)
     assert third.info["metrics"]["gateway/merged_steps"] == 1.0
     assert third.observation.token_ids == context + named + act2.token_ids + fmt.continuation(results, False)
