@@ -79,11 +79,13 @@ def tiny_model_dir(tokenizer, tmp_path_factory):
 
 
 def recompute_logprobs(model, input_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
-    """Log-prob of every token given its prefix, from one plain forward pass: [T-1]."""
+    """Log-prob of every token given its prefix, from one plain forward pass: [T-1]. Computed as
+    z - logsumexp(z), as the trainer does (torch's fp32 log_softmax is ~1e-5 off on AVX-512 CPUs)."""
     ids = torch.tensor([input_ids])
     with torch.no_grad():
         logits = model(ids).logits[0, :-1].float() / temperature  # [T-1, V]
-    return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    logp = logits - torch.logsumexp(logits, -1, keepdim=True)
+    return logp.gather(-1, ids[0, 1:, None]).squeeze(-1)
 
 
 TOOL_QUESTION = "What is 6 * 7?"

@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from agent_r1.rollout import local_engine
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
 from tests.conftest import recompute_logprobs
@@ -48,6 +49,21 @@ def test_sampled_logprobs_match_a_plain_forward(engine, tiny_model, tokenizer):
         for p, o in zip(prompts, outs, strict=True):
             ref = recompute_logprobs(tiny_model, p + o.token_ids, temperature)[len(p) - 1 :]
             assert (ref - torch.tensor(o.logprobs)).abs().max().item() < 1e-4
+
+
+def test_sampled_logprobs_are_as_exact_as_the_trainers_over_a_real_vocabulary():
+    """The engine's log-probs are z - logsumexp(z), the trainer's formula, to fp32 accuracy against a
+    float64 computation. torch's fp32 log_softmax kernel on AVX-512 CPUs was off by 1e-5 here, which
+    made an overfit model's engine-vs-trainer drift 1.2e-4 (over the 1e-4 check)."""
+    torch.manual_seed(0)
+    logits = torch.randn(8, 49152) * 3  # [b, V] SmolLM2's vocabulary
+    logits[:, 7] = 16.0  # a confident token, as a trained policy's
+    params = [SamplingParams(temperature=0.0)] * 4 + [SamplingParams(temperature=0.7)] * 4
+    tokens, logp = local_engine._sample(logits, params, [torch.Generator().manual_seed(i) for i in range(8)])
+    temperature = torch.tensor([1.0] * 4 + [0.7] * 4, dtype=torch.float64)[:, None]
+    exact = torch.log_softmax(logits.double() / temperature, dim=-1).gather(1, tokens[:, None])[:, 0]  # [b]
+    assert tokens[:4].tolist() == [7] * 4  # greedy rows take the argmax
+    assert (logp.double() - exact).abs().max().item() < 4e-6
 
 
 def test_seeded_rows_do_not_depend_on_batch_company(engine, tokenizer):
