@@ -23,6 +23,7 @@ from agent_r1.observe.plot import plot_metrics
 from agent_r1.trainer.config import TrainConfig
 from agent_r1.trainer.rl import train
 from agent_r1.trainer.sft import SFTConfig, sft
+from agent_r1.utils.malloc import release_memory
 
 
 @dataclass
@@ -57,6 +58,7 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, dict[
         t0 = time.perf_counter()
         ecfg = dataclasses.replace(cfg.eval, model=model, out=str(root / f"eval_{name}.jsonl"))
         results[name], _ = run_eval(ecfg, console)
+        release_memory()
         timings[f"eval_{name}"] = time.perf_counter() - t0
 
     console.rule("1/4 untrained model")
@@ -65,6 +67,7 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, dict[
     console.rule("2/4 SFT cold start")
     t0 = time.perf_counter()
     sft(dataclasses.replace(cfg.sft, model=cfg.model, run_dir=str(root / "sft")), console=console)
+    release_memory()  # each phase starts from what the process needs, not from the last one's peak
     timings["sft"] = time.perf_counter() - t0
     evaluate("sft", str(root / "sft" / "policy"))
 
@@ -73,6 +76,7 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, dict[
     history = train(
         dataclasses.replace(cfg.rl, model=str(root / "sft" / "policy"), run_dir=str(root / "rl")), console=console
     )
+    release_memory()
     timings["rl"] = time.perf_counter() - t0
 
     best_file = root / "rl" / "policy" / "best.json"  # written when RL validates and keeps its best step

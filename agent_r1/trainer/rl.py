@@ -82,6 +82,7 @@ from agent_r1.trainer.rows import (
 from agent_r1.trainer.update import policy_update
 from agent_r1.trainer.validation import make_validator
 from agent_r1.types import Termination, Trajectory
+from agent_r1.utils.malloc import release_memory
 from agent_r1.utils.paths import write_text_atomic
 from agent_r1.utils.progress import progress_bar
 
@@ -214,6 +215,7 @@ def train(
                 gather_s = time.perf_counter() - t_gather  # torchrun: the ranks' trajectories to every rank
             if lockstep and isinstance(engine, VLLMEngine | LocalEngine):
                 engine.sleep()  # the engine's KV memory goes to the update (on a GPU, vLLM's until the sync wakes it)
+            release_memory()  # the rollout's freed blocks go back to the OS, not to a heap the update fragments
             t1 = time.perf_counter()
 
             # 2. rewards: errored or empty episodes are not evidence about the policy: leave them out -----
@@ -320,6 +322,7 @@ def train(
                     state = producer.state()  # one snapshot: the cursor and the pending groups agree
                     extra |= {"cursor": state["cursor"], "async": state}
                 save_checkpoint(run_dir, step + 1, modules, optimizer, scheduler, extra, cfg.keep_last, dist)
+            release_memory()  # the update's activations and the validation's keys, before the next rollout
 
     if isinstance(engine, VLLMEngine):
         engine.shutdown()  # its KV cache and weights are not needed for the export
