@@ -108,6 +108,9 @@ class AlgoConfig:
     """KL estimator"""
     kl_mode: Literal["loss", "reward"] = "loss"
     """add the KL to the loss, or subtract it from each step's reward"""
+    reference_on_disk: bool = False
+    """keep the reference's weights in run_dir/reference.safetensors between reference passes, not in
+    memory during the update (full fine-tuning in one process; exact, one file read per step)"""
     entropy_coef: float = 0.0
     """entropy bonus coefficient"""
     zero_variance_groups: Literal["skip", "keep"] = "skip"

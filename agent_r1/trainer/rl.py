@@ -127,7 +127,8 @@ def train(
         # transformers 5.20 renamed it (the old name stays as an alias); vLLM 0.32 on a GPU brings 5.19
         enable = getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
         enable({"use_reentrant": False})
-    ref = reference_policy(policy, cfg.algo.kl_coef, cfg.lora.enabled, sharded=dist.world > 1)
+    offload = run_dir / "reference.safetensors" if cfg.algo.reference_on_disk else None
+    ref = reference_policy(policy, cfg.algo.kl_coef, cfg.lora.enabled, sharded=dist.world > 1, offload_to=offload)
     critic = Critic(policy, cfg.algo.critic).to(model_device(policy)) if cfg.algo.estimator == "ppo" else None
     plain = policy  # the unsharded model that rolls out, validates and is exported
     if dist.world > 1:  # FSDP2: each rank keeps 1/N of the trained weights; `plain` gets them after each step
@@ -328,6 +329,8 @@ def train(
         engine.shutdown()  # its KV cache and weights are not needed for the export
     if workers:
         workers.shutdown()
+    if offload is not None:
+        offload.unlink(missing_ok=True)  # the starting weights, which a resume writes again
     if dist.main:
         loggers.close()
         plot_metrics(read_metrics(run_dir), run_dir / "plots" / "curves.png", title=str(run_dir))
