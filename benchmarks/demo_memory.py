@@ -1,6 +1,6 @@
 """Where a command's memory goes, phase by phase: RSS of the whole process tree sampled every 0.25 s,
 split at the phase lines the command prints (the demo's `1/4 untrained model` ... `4/4 trained model`
-rules, and the RL trainer's per-step lines).
+rules).
 
     python benchmarks/demo_memory.py -- agent-r1 demo recipes/demo.yaml run_dir=runs/mem
 
@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-PHASE = re.compile(r"(\d/4 [a-zA-Z ]+?)\s*─|^\s*(step \d+)\b")
+PHASE = re.compile(r"(\d/4 [a-zA-Z ]+?)\s*─")
 
 
 def tree_rss(pid: int) -> int:
@@ -76,7 +76,7 @@ def main() -> None:
     for line in proc.stdout:
         sys.stdout.write(line)
         if m := PHASE.search(line):
-            marks.append((time.perf_counter() - t0, (m.group(1) or m.group(2)).strip()))
+            marks.append((time.perf_counter() - t0, m.group(1).strip()))
     proc.wait()
     sampler.join()
     end = time.perf_counter() - t0
