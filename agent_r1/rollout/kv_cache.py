@@ -14,16 +14,123 @@ Every column an attention reads holds a finite value, so a masked column cannot 
 into NaN, whichever SDPA kernel adds the mask: columns are zeroed up to the widest read so far
 (`clean`), lazily, so the memory of columns never read is never touched (nor resident).
 
-`SlotCache` speaks transformers' `Cache` interface: before each forward pass the engine says which
-slots the batch occupies (`rows`), where each new token's key goes (`cols`) and how many columns the
-attention reads (`width`); each layer's `update` writes there and returns views of those rows.
-Inference only: the views are overwritten in place by later steps.
+A forward pass is *packed*: the tokens of every sequence that takes part - one per decoding row, a chunk
+of its prompt per row being prefilled - are one row `[1, T]`, so the linear layers see every token of
+the step in one matmul and a newcomer's prefill rides in a decode step instead of stalling it (chunked
+prefill, Agrawal et al., "Sarathi-Serve", OSDI 2024; vLLM's scheduler). Attention is the only part that
+needs to know which tokens belong together, and `slot_attention` does it per `Segment`: a run of
+decoding rows in consecutive slots reads their slots only up to the longest of *them* (not the widest
+row of the batch), and a prefill chunk reads its own slot with a causal mask offset by the columns it
+already holds. It is registered with transformers' `AttentionInterface` (`use_slot_attention`), and a
+forward pass outside `SlotCache.packed` (the trainer's) falls through to SDPA unchanged.
+
+`SlotCache` speaks transformers' `Cache` interface: `packed(slots, cols, segments)` says which slot and
+column each token's keys go to; each layer's `update` writes them there and returns the layer's whole
+buffer, which `slot_attention` reads by segment. Inference only.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
 import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+SLOT_ATTENTION = "agent_r1_slots"  # the attention implementation a LocalEngine's model runs with
+_ACTIVE: contextvars.ContextVar[SlotCache | None] = contextvars.ContextVar("agent_r1_slot_cache", default=None)
+
+
+@dataclass(eq=False)
+class Segment:
+    """Tokens [token, token + count) of a packed pass that attend as one SDPA call.
+
+    `decode`: one token per row, rows in slots slot .. slot + count - 1; otherwise `count` tokens of
+    the one sequence in `slot` (a prefill chunk). `cols` [count] are the tokens' columns (= positions
+    for the mask); the segment reads columns 0 .. width - 1 of its slots, width = max(cols) + 1.
+    """
+
+    token: int
+    count: int
+    slot: int
+    decode: bool
+    cols: torch.Tensor  # [count]
+    width: int  # max(cols) + 1, the columns it reads (given from the host: no device read)
+    lowest: int  # min(cols)
+    _masks: dict = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """Which columns each token sees ([count, 1, 1, width] for rows, [1, 1, count, width] for a
+        chunk; True = attend), None where nothing is hidden (rows of one length, a chunk from column 0
+        under `is_causal`). Built once per pass and window, shared by every layer."""
+        if window not in self._masks:
+            kv = torch.arange(self.width, device=self.cols.device)  # [W]
+            sees = kv <= self.cols[:, None]  # [count, W] causal: its own column and those before
+            if window is not None:
+                sees &= self.cols[:, None] - kv < window  # a sliding-window layer (Gemma 3)
+            hidden = window is not None and self.width > window
+            if self.decode:  # rows of different lengths
+                hidden = hidden or self.lowest + 1 < self.width
+                self._masks[window] = sees[:, None, None] if hidden else None
+            else:  # a chunk after held columns
+                hidden = hidden or self.lowest > 0
+                self._masks[window] = sees[None, None] if hidden else None
+        return self._masks[window]
+
+
+def slot_attention(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kwargs
+):
+    """transformers' attention interface over a `SlotCache` in a packed pass: query [1, Hq, T, D], key and
+    value the layer's buffers [slots, Hkv, capacity, D]; returns [1, T, Hq, D]. Outside a packed pass
+    (the trainer's forward passes) it is transformers' SDPA attention, argument for argument."""
+    cache = _ACTIVE.get()
+    if cache is None:
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+    window, scale = kwargs.get("sliding_window"), kwargs.get("scaling")
+    q = query[0]  # [Hq, T, D]
+    out = query.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, Hq, D]
+    for seg in cache.segments:
+        tokens, mask = slice(seg.token, seg.token + seg.count), seg.mask(window)
+        if seg.decode:  # each row reads its own slot, only up to the segment's longest row
+            rows = slice(seg.slot, seg.slot + seg.count)
+            o = F.scaled_dot_product_attention(
+                q[:, tokens].transpose(0, 1)[:, :, None],  # [c, Hq, 1, D]
+                key[rows, :, : seg.width], value[rows, :, : seg.width],  # [c, Hkv, W, D]
+                attn_mask=mask, scale=scale, enable_gqa=True,
+            )  # fmt: skip
+            out[tokens] = o[:, :, 0]
+        else:  # a chunk of one sequence over its slot: causal, offset by the columns it already holds
+            row = slice(seg.slot, seg.slot + 1)
+            o = F.scaled_dot_product_attention(
+                q[None, :, tokens],  # [1, Hq, k, D]
+                key[row, :, : seg.width], value[row, :, : seg.width],  # [1, Hkv, W, D]
+                attn_mask=mask, is_causal=mask is None and seg.count > 1, scale=scale, enable_gqa=True,
+            )  # fmt: skip
+            out[tokens] = o[0].transpose(0, 1)
+    return out[None], None
+
+
+AttentionInterface.register(SLOT_ATTENTION, slot_attention)
+AttentionMaskInterface.register(SLOT_ATTENTION, sdpa_mask)  # the trainer's masks: as under SDPA
+
+
+def use_slot_attention(model: PreTrainedModel) -> None:
+    """Make the language model's attention layers look up `slot_attention`: SDPA for every forward pass
+    but a `SlotCache.packed` one. A model on another implementation (eager, flash) is refused in one
+    line: its attention would change under the trainer too."""
+    config = model.config.get_text_config()
+    if config._attn_implementation not in ("sdpa", SLOT_ATTENTION):
+        raise ValueError(
+            f"LocalEngine needs a model loaded with attn_implementation='sdpa', not {config._attn_implementation!r}"
+        )
+    config._attn_implementation = SLOT_ATTENTION
 
 
 class SlotCache(Cache):
@@ -35,10 +142,24 @@ class SlotCache(Cache):
         self.buf: torch.Tensor | None = None  # [layers, 2, slots, kv_heads, capacity, head_dim]
         self.dtype: torch.dtype | None = None  # that of the keys the model computes (set by the first forward)
         self.clean = 0  # columns 0..clean-1 of every slot hold finite values
-        # set by the engine before each forward pass:
-        self.first = 0  # the batch's rows are slots first .. first+b-1
-        self.cols: torch.Tensor | None = None  # [b, q] the column each new token's key and value go to
-        self.width = 0  # columns the attention reads, the same for every row (the mask hides the rest)
+        # set by `packed` for one forward pass:
+        self.slot_of: torch.Tensor | None = None  # [T] the slot of each token
+        self.cols: torch.Tensor | None = None  # [T] the column its key and value go to
+        self.segments: list[Segment] = []  # the tokens that attend together
+        self.width = 0  # columns any segment reads
+
+    @contextlib.contextmanager
+    def packed(self, slot_of: torch.Tensor, cols: torch.Tensor, segments: list[Segment]) -> Iterator[None]:
+        """The forward pass run inside is a packed one over this cache: token i's keys go to
+        (slot_of[i], cols[i]), and attention runs per segment (`slot_attention`)."""
+        self.slot_of, self.cols, self.segments = slot_of, cols, segments
+        self.width = max(s.width for s in segments)
+        reset = _ACTIVE.set(self)
+        try:
+            yield
+        finally:
+            _ACTIVE.reset(reset)
+            self.slot_of, self.cols, self.segments = None, None, []
 
     @property
     def slots(self) -> int:
@@ -112,19 +233,18 @@ class _SlotLayer(CacheLayerMixin):
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write the batch's new keys and values ([b, H, q, D]) at their columns; return the rows'
-        first `width` columns ([b, H, width, D] views)."""
+        """Write the pass's new keys and values ([1, H, T, D]) at their slots and columns; return the
+        layer's whole buffers ([slots, H, capacity, D]) for `slot_attention`."""
         c = self.cache
+        if c.slot_of is None:
+            raise RuntimeError("a SlotCache is only read inside SlotCache.packed (with slot attention)")
         if c.buf is None or key_states.dtype != c.dtype:  # autocast decides the dtype of the keys
             c.reserve(c.slots, c.capacity, key_states.dtype)
         c.read_up_to(c.width)
-        b, q = key_states.shape[0], key_states.shape[2]
-        rows = torch.arange(c.first, c.first + b, device=c.cols.device)[:, None].expand(b, q)  # [b, q]
         layer = c.buf[self.index]  # [2, slots, H, capacity, D]
-        layer[0][rows, :, c.cols] = key_states.transpose(1, 2)  # [b, q, H, D]
-        layer[1][rows, :, c.cols] = value_states.transpose(1, 2)
-        span = slice(c.first, c.first + b)
-        self.keys, self.values = layer[0, span, :, : c.width], layer[1, span, :, : c.width]
+        layer[0][c.slot_of, :, c.cols] = key_states[0].transpose(0, 1)  # [T, H, D]
+        layer[1][c.slot_of, :, c.cols] = value_states[0].transpose(0, 1)
+        self.keys, self.values = layer[0], layer[1]
         return self.keys, self.values
 
     def get_seq_length(self) -> int:

@@ -20,6 +20,11 @@ dropped when the weights change (`sync_weights`, `load_weights`) or the trainer 
 `min_shared_prefix` tokens have it prefilled once, and a GRPO group's identical prompts are
 prefilled once and copied.
 
+Each step is one forward pass over the slots (`kv_cache.slot_attention`): a token per decoding row and
+chunks of the prompts being prefilled, at most `max_prefill_tokens` prompt tokens a pass, so a
+newcomer's prefill rides in the decode steps instead of stalling them (chunked prefill: Agrawal et al.,
+"Sarathi-Serve", OSDI 2024), and each run of decoding rows reads keys only up to its own longest row.
+
 Each row samples from its own seeded generator with its own sampling parameters, so a request's
 tokens do not depend on which other requests share its batch (up to fp32 rounding differences
 between batch shapes). `generate(..., on_token=...)` reports every sampled token as it is decoded
@@ -76,7 +81,7 @@ from agent_r1.models.vision import (
     rope_positions,
 )
 from agent_r1.rollout.engine import GenerateOutput, SamplingParams, alias_key, full_state_dict
-from agent_r1.rollout.kv_cache import SlotCache
+from agent_r1.rollout.kv_cache import Segment, SlotCache, use_slot_attention
 from agent_r1.types import Image
 
 TokenCallback = Callable[[int, int, float], None]  # (index of the prompt in its call, token id, log-prob)
@@ -84,6 +89,9 @@ RowHook = Callable[[int, int, float], bool]  # (index of the prompt, token id, l
 BLOCK = 16  # parked tokens are indexed every BLOCK tokens (shorter matches are not looked up)
 COLUMN_STEP = 256  # slot capacity grows in steps of this many tokens
 COHORT_WAIT_S = 120.0  # longest a decode step waits for a cohort member between turns (then goes on)
+# what one more SDPA call costs, in row-columns of keys read (~30 us of call overhead against ~0.2 us per
+# row-column and layer at ~9 GB/s): decoding rows of unlike lengths split where the saved reads pay for it
+SEGMENT_COST = 128
 
 
 @dataclass(eq=False)
@@ -109,6 +117,8 @@ class _Seq:
     finish: str = "length"
     slot: int = -1
     n: int = 0  # columns of its slot holding keys: tokens the model has seen
+    leader: _Seq | None = None  # a GRPO group's first row, prefilled once: this row copies its keys when done
+    followers: list[_Seq] = field(default_factory=list)  # the rows that wait for this one's prefill
 
 
 class Cohort:
@@ -172,6 +182,9 @@ class LocalEngine:
         kv_cache_gb: float = 4.0,
         max_prefill_tokens: int = 2048,
     ) -> None:
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be at least 1, got {max_prefill_tokens}")
+        use_slot_attention(model)  # packed passes attend per sequence over the slots (kv_cache.py)
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -182,16 +195,17 @@ class LocalEngine:
         self.batch_wait_s = batch_wait_s  # an idle engine waits this long for concurrent callers to arrive
         self.min_shared_prefix = min_shared_prefix  # shorter common prefixes are not worth a separate pass
         self.kv_cache_bytes = int(kv_cache_gb * 2**30)  # slots (running and parked) never take more
-        self.max_prefill_tokens = max_prefill_tokens  # rows x padded length of one prefill forward pass
+        self.max_prefill_tokens = max_prefill_tokens  # prompt tokens one forward pass computes beside its decode rows
         self.eos_ids = _eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
         self._seeds = random.Random(seed)
         self.weights_version = 0  # bumped by every load_weights
         # prompt tokens computed / whose keys were already held, decode steps and the tokens they fed,
-        # seconds in prefill and decode forward passes, rows whose caller went away
+        # seconds in passes without / with decode rows, rows whose caller went away, decode steps that
+        # also prefilled
         self.stats = {
             "prefilled": 0, "reused": 0, "decode_steps": 0, "decoded": 0, "prefill_s": 0.0, "decode_s": 0.0,
-            "aborted": 0,
+            "aborted": 0, "mixed_steps": 0,
         }  # fmt: skip
         # shared with callers' threads, under _cond
         self._cond = threading.Condition()
@@ -437,19 +451,44 @@ class LocalEngine:
                     self._step()
 
     def _step(self) -> None:
-        """One decode step: the running rows decode a token, waiting rows join (prefilled), every row
-        samples, and finished rows leave."""
-        rows, new = list(self._running), []
+        """One forward pass: newcomers take slots, every decoding row feeds its last token and the rows
+        being prefilled their next chunk (at most `max_prefill_tokens` prompt tokens a pass), the rows
+        that got logits sample, and finished rows leave."""
+        new = self._take_waiting()
         try:
-            logits = [self._decode(rows)] if rows else []  # [b, V]
-            new = self._take_waiting()
             if new:
-                logits.append(self._admit(new))  # [b_new, V]
+                self._admit(new)
+            if not self._running:  # every caller gave up before its turn
+                return
+            rows, logits = self._pass()
         except Exception as exc:  # a failed forward pass: fail its rows, keep serving the rest
-            self._fail_all(exc, rows + new)
+            self._fail_all(exc, list(dict.fromkeys(self._running + new)))
             return
-        if logits:
-            self._sample(self._running, torch.cat(logits))
+        if rows:
+            self._sample(rows, logits)
+
+    def _pass(self) -> tuple[list[_Seq], torch.Tensor]:
+        """Decode and prefill in one packed forward pass (chunked prefill: a newcomer's prompt rides in
+        the decode steps instead of stalling them); returns the rows that sample and their logits
+        [r, V]. A GRPO group's other rows copy their leader's keys when its prompt is done."""
+        ready = [s for s in self._running if s.out_ids]  # slot order
+        chunks, budget = [], self.max_prefill_tokens
+        for s in self._running:
+            if not s.out_ids and s.leader is None and budget > 0:
+                k = min(len(s.prompt) - s.n, budget)
+                chunks.append((s, k))
+                budget -= k
+        logits = self._forward(ready, chunks)  # [r, V]: the ready rows, then the prompts just completed
+        rows, index = list(ready), list(range(len(ready)))
+        for i, s in enumerate(s for s, _ in chunks if s.n == len(s.prompt)):
+            for f in [s, *s.followers]:
+                if f is not s:
+                    self._slots().move(s.slot, f.slot, len(f.prompt))
+                    f.n, f.leader = len(f.prompt), None
+                rows.append(f)
+                index.append(len(ready) + i)
+            s.followers = []
+        return rows, logits[torch.tensor(index, device=logits.device)] if rows else logits
 
     def _take_waiting(self) -> list[_Seq]:
         """Sequences that join now: as many as the batch size and the KV budget allow (at least one when
@@ -588,9 +627,10 @@ class LocalEngine:
 
     # --- forward passes -------------------------------------------------------------------------
 
-    def _admit(self, new: list[_Seq]) -> torch.Tensor:
-        """Give the new sequences running slots, with whatever keys parked slots already hold, prefill
-        the rest, and return their next-token logits [n, V] in slot order."""
+    def _admit(self, new: list[_Seq]) -> None:
+        """Give the new sequences running slots, with whatever keys parked slots already hold; the rest of
+        each prompt is prefilled by the next passes. A GRPO group's identical prompts are prefilled once
+        (the first) and copied (the others, when it is done)."""
         groups: dict[tuple[int, ...], list[_Seq]] = {}
         for s in new:
             groups.setdefault(tuple(s.key), []).append(s)
@@ -603,12 +643,9 @@ class LocalEngine:
         self._prefill_shared_prefix(firsts)
         # look again: making room may have evicted a partial match, the shared prefix may be new
         found = [self._lookup(s.key, len(s.key) - 1) for s in firsts]
-        # rows of like held and new lengths side by side: a prefill chunk pads to its longest row
-        order = sorted(range(len(firsts)), key=lambda i: (found[i][1], len(firsts[i].prompt) - found[i][1]))
-        groups_list = list(groups.values())
-        groups_list, firsts, found = ([x[i] for i in order] for x in (groups_list, firsts, found))
         claims = Counter(id(e) for e, m in found if e is not None and m == len(e.tokens))
-        for s, (entry, m) in zip(firsts, found, strict=True):
+        for group, (entry, m) in zip(groups.values(), found, strict=True):
+            s = group[0]
             if entry is not None and claims[id(entry)] == 1 and m == len(entry.tokens):
                 self._take_over(entry, s)  # it continues a parked sequence (the last prompt that does)
             else:
@@ -619,17 +656,13 @@ class LocalEngine:
                     self._clock += 1
                     entry.stamp = self._clock
             s.n = m
+            self.stats["reused"] += m
             self._running.append(s)
-        logits = self._prefill(firsts)  # [u, V]
-        rows = list(range(len(firsts)))
-        for i, group in enumerate(groups_list):  # a GRPO group: one prefill, a copy of its keys per row
-            for s in group[1:]:
-                self._place(s, self._open_running_slot())
-                self._slots().move(group[0].slot, s.slot, len(s.prompt))
-                s.n = len(s.prompt)
-                self._running.append(s)
-                rows.append(i)
-        return logits[torch.tensor(rows, device=logits.device)]
+            for f in group[1:]:
+                self._place(f, self._open_running_slot())
+                f.leader = s
+                s.followers.append(f)
+                self._running.append(f)
 
     def _take_over(self, entry: _Parked, s: _Seq) -> None:
         """`s` gets `entry`'s slot, keys and all, as the next running slot."""
@@ -661,108 +694,79 @@ class LocalEngine:
         if entry is not None:
             self._slots().move(entry.slot, job.slot, m)
         job.n = m
+        self.stats["reused"] += m
         self._running.append(job)
-        self._prefill([job], logits=False)
+        self._forward([], [(job, C - m)])
         self._park(job)
 
-    def _prefill(self, seqs: list[_Seq], logits: bool = True) -> torch.Tensor | None:
-        """Compute the keys of each sequence's prompt past the n it already holds; return the last
-        position's logits [u, V]. The sequences hold consecutive slots. Rows are left-padded, so the
-        last real token of every row is the last position; a padding position writes its (unused)
-        key past its row's end and looks at column 0 only."""
-        out, start = [], 0
-        while start < len(seqs):  # chunks of at most max_prefill_tokens rows x padded length
-            end, S = start + 1, len(seqs[start].prompt) - seqs[start].n
-            while end < len(seqs):
-                S2 = max(S, len(seqs[end].prompt) - seqs[end].n)
-                if (end + 1 - start) * S2 > self.max_prefill_tokens:
-                    break
-                end, S = end + 1, S2
-            out.append(self._prefill_chunk(seqs[start:end], S, logits))
-            start = end
-        return torch.cat(out) if logits else None
-
-    def _prefill_chunk(self, seqs: list[_Seq], S: int, logits: bool) -> torch.Tensor | None:
+    def _forward(self, rows: list[_Seq], chunks: list[tuple[_Seq, int]]) -> torch.Tensor:
+        """One packed forward pass `[1, T]`: each of `rows` (slot order) feeds its last sampled token at
+        its own column, each chunk (s, k) the next k tokens of s's prompt. Attention runs per segment over
+        the slots (`kv_cache.slot_attention`). Returns the next-token logits [r, V] of the rows, then of
+        the chunks that complete their prompt."""
         dev, cache = model_device(self.model), self._slots()
-        m = torch.tensor([s.n for s in seqs], device=dev)  # [u] columns already held
-        own = torch.tensor([len(s.prompt) - s.n for s in seqs], device=dev)  # [u] tokens to compute
-        W = int((m + S).max())
-        self._fit(len(self._running), W)
-        j = torch.arange(S, device=dev)[None]  # [1, S]
-        pad = j < (S - own)[:, None]  # [u, S] left padding
-        k = j - (S - own)[:, None]  # [u, S] index into the row's own tokens (negative on padding)
-        ids = torch.tensor(
-            [[self.pad_id] * (S - len(s.prompt) + s.n) + s.prompt[s.n :] for s in seqs], device=dev
-        )  # [u, S]
-        positions = torch.where(pad, 0, m[:, None] + k)  # [u, S] columns, and positions of a 1D-rope model
-        cols = torch.where(pad, m[:, None] + own[:, None] + j, m[:, None] + k)  # [u, S] padding writes past the end
-        kv = torch.arange(W, device=dev)[None, None]  # [1, 1, W]
-        sees = torch.where(pad[..., None], kv == 0, kv <= positions[..., None])  # [u, S, W]
-        position_ids = positions
-        if any(s.rope is not None for s in seqs):  # [3, u, S] mrope positions of the computed tokens
-            position_ids = positions[None].repeat(3, 1, 1)
-            for r, s in enumerate(seqs):
+        ids = [s.out_ids[-1] for s in rows]
+        slots = [s.slot for s in rows]
+        cols = [s.n for s in rows]
+        pos = [s.n + s.delta for s in rows]  # mrope: moved by the images before it (the same in all 3 dims)
+        for s, k in chunks:
+            ids += s.prompt[s.n : s.n + k]
+            slots += [s.slot] * k
+            cols += range(s.n, s.n + k)
+            pos += range(s.n, s.n + k)
+        width = max(c + 1 for c in cols)
+        self._fit(len(self._running), width)
+        col_t = torch.tensor(cols, device=dev)  # [T]
+        segments = [
+            Segment(i, j - i, rows[i].slot, True, col_t[i:j], max(cols[i:j]) + 1, min(cols[i:j]))
+            for i, j in _row_runs(rows)
+        ]
+        keep, t = list(range(len(rows))), len(rows)  # the tokens whose logits are needed
+        for s, k in chunks:
+            segments.append(Segment(t, k, s.slot, False, col_t[t : t + k], s.n + k, s.n))
+            t += k
+            if s.n + k == len(s.prompt):
+                keep.append(t - 1)
+        position_ids = torch.tensor(pos, device=dev)[None]  # [1, T]
+        if any(s.rope is not None for s, _ in chunks):  # [3, 1, T] mrope positions of a prompt with images
+            position_ids = position_ids[None].repeat(3, 1, 1)
+            t = len(rows)
+            for s, k in chunks:
                 if s.rope is not None:
-                    position_ids[:, r, S - len(s.prompt) + s.n :] = s.rope[:, s.n :].to(dev)
-        cache.first, cache.cols, cache.width = seqs[0].slot, cols, W
+                    position_ids[:, 0, t : t + k] = s.rope[:, s.n : s.n + k].to(dev)
+                t += k
+        ids_t = torch.tensor(ids, device=dev)  # [T]
+        inputs = {"input_ids": ids_t[None]}
+        if any(s.images for s, _ in chunks):  # the vision tower's features in the placeholders of the chunks
+            embeds, t = self.model.get_input_embeddings()(ids_t), len(rows)  # [T, H]
+            for s, k in chunks:
+                if s.images:
+                    skip = count_placeholders(s.prompt[: s.n], self.image_token_id)
+                    piece = ids_t[t : t + k]
+                    embeds[t : t + k] = embed_with_images(self.model, piece, s.images, self.image_token_id, skip)
+                t += k
+            inputs = {"inputs_embeds": embeds[None]}  # [1, T, H]
         start = time.perf_counter()
-        inputs = {"input_ids": ids}
-        if any(s.images for s in seqs):  # the vision tower's features in the placeholders of this chunk
-            skip = [count_placeholders(s.prompt[: s.n], self.image_token_id) for s in seqs]
-            rows = zip(ids, seqs, skip, strict=True)
-            embeds = [embed_with_images(self.model, row, s.images, self.image_token_id, k) for row, s, k in rows]
-            inputs = {"inputs_embeds": torch.stack(embeds)}  # [u, S, H]
-        out = self.model(
-            **inputs,
-            position_ids=position_ids,
-            attention_mask=self._mask(sees, positions),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        self.stats["prefill_s"] += time.perf_counter() - start
-        for s in seqs:
-            self.stats["reused"] += s.n
-            self.stats["prefilled"] += len(s.prompt) - s.n
-            s.n = len(s.prompt)
-        return out.logits[:, -1, :] if logits else None  # [u, V]
-
-    def _decode(self, rows: list[_Seq]) -> torch.Tensor:
-        """Feed every running row its last sampled token at its own column; return the logits [b, V]."""
-        dev, cache = model_device(self.model), self._slots()
-        n = torch.tensor([s.n for s in rows], device=dev)  # [b] the column of the new token
-        last = torch.tensor([s.out_ids[-1] for s in rows], device=dev)  # [b]
-        # its position: the column, moved by the images before it for mrope (the same in all 3 dims)
-        position = n + torch.tensor([s.delta for s in rows], device=dev) if self._rope_index is not None else n
-        W = int(n.max()) + 1
-        cache.first, cache.cols, cache.width = 0, n[:, None], W
-        sees = torch.arange(W, device=dev)[None, None] <= n[:, None, None]  # [b, 1, W]
-        start = time.perf_counter()
-        out = self.model(
-            input_ids=last[:, None],
-            position_ids=position[:, None],
-            attention_mask=self._mask(sees, n[:, None]),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        logits = out.logits[:, -1, :]
-        self.stats["decode_s"] += time.perf_counter() - start
+        with cache.packed(torch.tensor(slots, device=dev), col_t, segments):
+            out = self.model(
+                **inputs,
+                position_ids=position_ids,
+                attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=dev),  # unused: slot attention masks
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=torch.tensor(keep or [0], device=dev),
+            )
+        self.stats["decode_s" if rows else "prefill_s"] += time.perf_counter() - start
         for s in rows:
             s.n += 1
-        self.stats["decode_steps"] += 1
-        self.stats["decoded"] += len(rows)
-        return logits
-
-    def _mask(self, sees: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
-        """The 4D mask [b, 1, q, W] transformers uses as given; models with sliding-window layers
-        (Gemma 3) get a second one that also hides keys more than `sliding_window` positions back."""
-        mask = sees[:, None]
-        cfg = self.model.config.get_text_config()
-        if "sliding_attention" not in (getattr(cfg, "layer_types", None) or ()):
-            return mask
-        kv = torch.arange(sees.shape[-1], device=sees.device)
-        near = positions[..., None] - kv < cfg.sliding_window  # [b, q, W]
-        return {"full_attention": mask, "sliding_attention": (sees & near)[:, None]}
+        for s, k in chunks:
+            s.n += k
+            self.stats["prefilled"] += k
+        if rows:
+            self.stats["decode_steps"] += 1
+            self.stats["decoded"] += len(rows)
+            self.stats["mixed_steps"] += bool(chunks)
+        return out.logits[0, : len(keep)]  # [r, V]
 
     # --- sampling and finishing -----------------------------------------------------------------
 
@@ -828,6 +832,32 @@ def _held(owner: _Seq | _Parked | None) -> int:
     if owner is None:
         return 0
     return len(owner.tokens) if isinstance(owner, _Parked) else owner.n
+
+
+def _row_runs(rows: list[_Seq]) -> list[tuple[int, int]]:
+    """Split decoding rows (slot order) into runs [i, j) that attend in one SDPA call, each reading its
+    slots up to its longest row: runs of consecutive slots, cut where the columns the shorter rows would
+    read for nothing cost more than another call (`SEGMENT_COST`; dynamic programming over the cuts)."""
+    runs, start = [], 0
+    for i in range(1, len(rows) + 1):
+        if i < len(rows) and rows[i].slot == rows[i - 1].slot + 1:
+            continue
+        w = [s.n + 1 for s in rows[start:i]]  # columns each row reads
+        best, cut = [0] + [0] * len(w), [0] * (len(w) + 1)
+        for j in range(1, len(w) + 1):
+            widest, best[j] = 0, None
+            for a in range(j - 1, -1, -1):
+                widest = max(widest, w[a])
+                c = best[a] + (j - a) * widest + SEGMENT_COST
+                if best[j] is None or c < best[j]:
+                    best[j], cut[j] = c, a
+        j, found = len(w), []
+        while j:
+            found.append((start + cut[j], start + j))
+            j = cut[j]
+        runs += reversed(found)
+        start = i
+    return runs
 
 
 def _round_up(columns: int) -> int:

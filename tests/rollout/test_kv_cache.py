@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 from transformers import DynamicCache
 
-from agent_r1.rollout.kv_cache import SlotCache
+from agent_r1.rollout.kv_cache import SLOT_ATTENTION, Segment, SlotCache, use_slot_attention
+from agent_r1.rollout.local_engine import _row_runs
+from tests.conftest import make_tiny_llama
 
 
 def slot_cache(model) -> SlotCache:
@@ -24,41 +29,118 @@ def alone(model, prompt: list[int], steps: int) -> list[torch.Tensor]:
     return out
 
 
-def test_ragged_rows_decode_as_they_would_alone(tiny_model):
-    """Two prompts of lengths 5 and 11 sit in slots 0 and 1 from column 0, unpadded; each decode step
-    writes each row's token at its own column and a 4D mask shows each row its own columns."""
+def packed_pass(model, cache, feeds):
+    """One packed forward pass, laid out by hand: `feeds` is a list of (slot, first column, token ids,
+    decode) in token order; decode feeds of consecutive slots form one segment. Returns the logits [T, V]."""
+    slots, cols, ids, segments, t = [], [], [], [], 0
+    for slot, col, toks, _ in feeds:
+        slots += [slot] * len(toks)
+        cols += range(col, col + len(toks))
+        ids += toks
+    col_t = torch.tensor(cols)
+    while t < len(feeds):
+        slot, col, toks, decode = feeds[t]
+        if decode:  # a run of single tokens in consecutive slots
+            j = t
+            while j + 1 < len(feeds) and feeds[j + 1][3] and feeds[j + 1][0] == feeds[j][0] + 1:
+                j += 1
+            first = sum(len(f[2]) for f in feeds[:t])
+            run = [f[1] for f in feeds[t : j + 1]]
+            segments.append(
+                Segment(first, j + 1 - t, slot, True, col_t[first : first + len(run)], max(run) + 1, min(run))
+            )
+            t = j + 1
+        else:
+            first = sum(len(f[2]) for f in feeds[:t])
+            segments.append(
+                Segment(first, len(toks), slot, False, col_t[first : first + len(toks)], col + len(toks), col)
+            )
+            t += 1
+    with cache.packed(torch.tensor(slots), col_t, segments):
+        out = model(
+            input_ids=torch.tensor([ids]), position_ids=col_t[None],
+            attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool), past_key_values=cache, use_cache=True,
+        )  # fmt: skip
+    return out.logits[0]
+
+
+def test_packed_passes_of_decode_rows_and_prompt_chunks_match_each_row_alone(tokenizer):
+    """Rows of lengths 5 and 11 and a newcomer of 9, unpadded in slots 0-2: the first pass prefills one
+    prompt whole and the first 6 tokens of another; the next decodes row 0 beside the rest of that prompt
+    (a chunk after 6 held columns); the newcomer's whole prompt then rides in a decode step of the two;
+    then all three decode in one segment, each reading its own columns. Every logit is what the row
+    alone gets from transformers' own cache, and the trainer's plain forward is untouched."""
+    model = make_tiny_llama(len(tokenizer), eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id, seed=3)
+    use_slot_attention(model)
     torch.manual_seed(0)
-    prompts = [torch.randint(3, 100, (5,)).tolist(), torch.randint(3, 100, (11,)).tolist()]
-    cache = slot_cache(tiny_model)
-    cache.reserve(slots=2, capacity=32)
-    got: list[list[torch.Tensor]] = [[], []]
-    last = []
+    p0, p1, p2 = (torch.randint(3, 100, (n,)).tolist() for n in (5, 11, 9))
+    cache = slot_cache(model)
+    cache.reserve(slots=3, capacity=64)
+    got: list[list[torch.Tensor]] = [[], [], []]
     with torch.inference_mode():
-        for slot, p in enumerate(prompts):  # prefill each into its slot
-            cache.first, cache.cols, cache.width = slot, torch.arange(len(p))[None], len(p)
-            sees = torch.arange(len(p))[None, :, None] >= torch.arange(len(p))[None, None, :]  # causal [1, q, W]
-            logits = tiny_model(
-                input_ids=torch.tensor([p]), position_ids=torch.arange(len(p))[None],
-                attention_mask=sees[:, None], past_key_values=cache, use_cache=True,
-            ).logits[0, -1]  # fmt: skip
-            got[slot].append(logits)
-            last.append(int(logits.argmax()))
-        n = torch.tensor([len(p) for p in prompts])  # [2] each row's next column = its position
-        for _ in range(6):
-            W = int(n.max()) + 1
-            cache.first, cache.cols, cache.width = 0, n[:, None], W
-            sees = torch.arange(W)[None, None] <= n[:, None, None]  # [2, 1, W]
-            logits = tiny_model(
-                input_ids=torch.tensor(last)[:, None], position_ids=n[:, None],
-                attention_mask=sees[:, None], past_key_values=cache, use_cache=True,
-            ).logits[:, -1]  # fmt: skip
-            for r in range(2):
+        logits = packed_pass(model, cache, [(0, 0, p0, False), (1, 0, p1[:6], False)])
+        got[0].append(logits[4])
+        t0 = int(logits[4].argmax())
+        logits = packed_pass(model, cache, [(0, 5, [t0], True), (1, 6, p1[6:], False)])
+        got[0].append(logits[0])
+        got[1].append(logits[-1])
+        last, n = [int(logits[0].argmax()), int(logits[-1].argmax())], [6, 11]
+        logits = packed_pass(model, cache, [(0, n[0], [last[0]], True), (1, n[1], [last[1]], True), (2, 0, p2, False)])
+        for r in range(2):
+            got[r].append(logits[r])
+        got[2].append(logits[-1])
+        last, n = [int(logits[0].argmax()), int(logits[1].argmax()), int(logits[-1].argmax())], [7, 12, 9]
+        for _ in range(5):
+            logits = packed_pass(model, cache, [(r, n[r], [last[r]], True) for r in range(3)])
+            for r in range(3):
                 got[r].append(logits[r])
-            last, n = logits.argmax(-1).tolist(), n + 1
-    for r, p in enumerate(prompts):
-        want = alone(tiny_model, p, 7)
+            last, n = [int(x.argmax()) for x in logits], [c + 1 for c in n]
+    for r, p in enumerate((p0, p1, p2)):
+        want = alone(model, p, len(got[r]))
         assert [int(x.argmax()) for x in got[r]] == [int(x.argmax()) for x in want]
         assert max((a - b).abs().max().item() for a, b in zip(got[r], want, strict=True)) < 1e-4
+
+
+def test_outside_a_packed_pass_slot_attention_is_sdpa_bit_for_bit(tokenizer):
+    """The engine's model is the trainer's: its forward and backward passes must not change."""
+    model = make_tiny_llama(len(tokenizer), eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id, seed=4)
+    ids = torch.randint(3, 100, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 8:] = 0  # right padding: a real mask
+
+    def run():
+        model.zero_grad()
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        logits.square().mean().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    before, grads = run()
+    use_slot_attention(model)
+    after, grads2 = run()
+    assert model.config._attn_implementation == SLOT_ATTENTION
+    assert torch.equal(before, after) and all(torch.equal(a, b) for a, b in zip(grads, grads2, strict=True))
+
+
+def test_a_model_on_another_attention_is_refused_in_one_line(tokenizer):
+    model = make_tiny_llama(len(tokenizer), eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id)
+    model.config._attn_implementation = "eager"
+    with pytest.raises(ValueError, match="attn_implementation='sdpa', not 'eager'"):
+        use_slot_attention(model)
+
+
+def test_decoding_rows_split_where_unlike_lengths_pay_for_another_call():
+    def rows(slots_and_lengths):
+        return [SimpleNamespace(slot=s, n=n) for s, n in slots_and_lengths]
+
+    # two short rows beside two long ones: 4 x 501 + 128 to read together, 2 x 11 + 2 x 501 + 2 x 128 apart
+    assert _row_runs(rows([(0, 10), (1, 10), (2, 500), (3, 500)])) == [(0, 2), (2, 4)]
+    assert _row_runs(rows([(0, 100), (1, 101), (2, 102)])) == [(0, 3)]  # alike: one call
+    assert _row_runs(rows([(0, 100), (2, 100), (3, 100)])) == [(0, 1), (1, 3)]  # slot 1 is not decoding
+    # 3 x 301 + 128 = 1031 together; 301 + 251 + 301 + 3 x 128 = 1237 apart
+    assert _row_runs(rows([(0, 300), (1, 250), (2, 300)])) == [(0, 3)]
+    # 3 x 301 + 128 = 1031 together; 301 + 11 + 301 + 3 x 128 = 997 apart
+    assert _row_runs(rows([(0, 300), (1, 10), (2, 300)])) == [(0, 1), (1, 2), (2, 3)]
+    assert _row_runs([]) == []
 
 
 def test_growth_moves_and_swaps_keep_what_slots_hold():

@@ -108,29 +108,32 @@ def test_context_budget_caps_new_tokens(engine, tokenizer):
 
 
 def record_forwards(model) -> list:
-    """Spy on the model: the input shape of every engine forward pass, in order (filled as they run)."""
+    """Spy on the model: every engine forward pass, in order (filled as they run), as (rows decoding a
+    token, the token counts of the prompt chunks prefilled beside them)."""
     calls = []
 
     def hook(module, args, kwargs):
         if "past_key_values" in kwargs:  # the engine's passes (not the tests' plain reference forwards)
-            calls.append(tuple(kwargs["input_ids"].shape))
+            segments = kwargs["past_key_values"].segments
+            rows = sum(s.count for s in segments if s.decode)
+            calls.append((rows, tuple(s.count for s in segments if not s.decode)))
 
-    model.register_forward_pre_hook(hook, with_kwargs=True)
-    return calls
+    return calls, model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 @pytest.fixture
 def forwards(tiny_model):
-    calls = record_forwards(tiny_model)
+    calls, hook = record_forwards(tiny_model)
     yield calls
-    tiny_model._forward_pre_hooks.clear()
+    hook.remove()
 
 
 async def test_concurrent_calls_are_prefilled_together(engine, tokenizer, forwards):
     prompts = prompts_of(tokenizer)
     params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=3)
     outs = await asyncio.gather(*(engine.generate([p], params) for p in prompts))
-    assert forwards[0][0] == 3 and all(shape == (3, 1) for shape in forwards[1:])  # one prefill, then 3 rows
+    assert forwards[0] == (0, tuple(map(len, prompts)))  # one pass prefills the three prompts
+    assert forwards[1:] == [(3, ())] * 3  # then the 3 rows decode together
     assert all(len(o[0].token_ids) == 4 for o in outs)
 
 
@@ -153,7 +156,7 @@ async def test_cancelled_caller_frees_its_row_at_the_next_step(engine, tokenizer
     doomed.cancel()
     (out,) = await survivor
     assert len(out.token_ids) == 400  # the other row decoded to its budget
-    decodes = [rows for rows, q in forwards if q == 1]
+    decodes = [rows for rows, _ in forwards if rows]
     assert decodes[0] == 2 and decodes[-1] == 1 and decodes.count(2) < 20  # the cancelled row left early
     survivor_prompt = prompts_of(tokenizer)[1]
     kept = [e.tokens[: len(survivor_prompt)] for e in engine._parked]
@@ -177,9 +180,8 @@ SYSTEM = "You are a careful assistant. Use the calculator tool for every computa
 
 
 def generate_recording_shapes(engine, model, prompts, **kw):
-    """Generate, returning the outputs and the input shape of every forward pass, in order."""
-    calls = []
-    hook = model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape), with_kwargs=True)
+    """Generate, returning the outputs and every forward pass (`record_forwards`), in order."""
+    calls, hook = record_forwards(model)
     try:
         return gen(engine, prompts, **kw), calls
     finally:
@@ -196,7 +198,8 @@ def test_shared_prefix_is_prefilled_once_and_changes_nothing(engine, tiny_model,
     system = tokenizer.encode(SYSTEM)
     prompts = [system + tokenizer.encode(q) for q in ("What is 12 * 34?", "Hi", "Add 5 and 7, then double it")]
     batched, calls = generate_recording_shapes(engine, tiny_model, prompts, max_new_tokens=8, temperature=1.0)
-    assert calls[0] == (1, len(system)) and calls[1][0] == 3  # the prefix ran once, then only the suffixes
+    assert calls[0] == (0, (len(system),)) and len(calls[1][1]) == 3  # the prefix ran once, then the suffixes
+    assert sum(calls[1][1]) == sum(len(p) - len(system) for p in prompts)
     assert_logprobs_match_a_plain_forward(tiny_model, prompts, batched)
     greedy = gen(engine, prompts, max_new_tokens=8, temperature=0.0)
     for p, out in zip(prompts, greedy, strict=True):
@@ -208,8 +211,8 @@ def test_a_groups_repeated_prompt_is_prefilled_once(engine, tiny_model, tokenize
     a, b = (system + tokenizer.encode(q) for q in ("What is 12 * 34?", "Add 5 and 7, then double it"))
     prompts = [a, a, a, b, b]  # two GRPO groups
     outs, calls = generate_recording_shapes(engine, tiny_model, prompts, max_new_tokens=12, temperature=1.0)
-    assert calls[0] == (1, len(system)) and calls[1][0] == 2  # the shared prefix, then the 2 distinct prompts
-    assert calls[2] == (5, 1)  # then all 5 rows decode
+    assert calls[0] == (0, (len(system),)) and len(calls[1][1]) == 2  # the shared prefix, the 2 distinct prompts
+    assert calls[2] == (5, ())  # then all 5 rows decode
     assert_logprobs_match_a_plain_forward(tiny_model, prompts, outs)
     assert len({tuple(o.token_ids) for o in outs[:3]}) > 1  # the copies sample independently
 
@@ -239,8 +242,8 @@ async def test_a_request_joins_the_running_batch_mid_decode(engine, tiny_model, 
     (second,) = await engine.generate([short_prompt], dataclasses.replace(greedy, max_new_tokens=10))
     assert not first.done()  # it joined and left while the first one was still decoding
     (first_out,) = await first
-    joined = forwards.index((1, len(short_prompt)))  # the newcomer's prefill, between decode steps
-    assert forwards[joined - 1] == (1, 1) and forwards[joined + 1] == (2, 1)
+    joined = forwards.index((1, (len(short_prompt),)))  # the newcomer's prefill rides in a decode step
+    assert forwards[joined - 1] == (1, ()) and forwards[joined + 1] == (2, ())
     assert first_out.token_ids == greedy_alone(tiny_model, tokenizer, long_prompt, 120).token_ids
     assert second.token_ids == greedy_alone(tiny_model, tokenizer, short_prompt, 10).token_ids
     assert_logprobs_match_a_plain_forward(tiny_model, [long_prompt, short_prompt], [first_out, second])
@@ -257,7 +260,7 @@ def test_next_turn_prefills_only_what_the_environment_added(engine, tiny_model, 
     (out2,) = gen(engine, [turn2], max_new_tokens=20, temperature=1.0)
     held = len(turn1) + len(out1.token_ids) - 1  # the last sampled token was never fed to the model
     assert engine.stats["reused"] - before["reused"] == held
-    assert forwards[0] == (1, len(tool) + 1)  # the prefill: the last sampled token and the tool result
+    assert forwards[0] == (0, (len(tool) + 1,))  # the prefill: the last sampled token and the tool result
     assert_logprobs_match_a_plain_forward(tiny_model, [turn2], [out2])
     assert engine._parked[0].tokens == (turn2 + out2.token_ids)[:-1]  # turn 1's slot was taken over, not copied
 
@@ -299,7 +302,7 @@ async def test_rows_with_different_sampling_params_share_a_batch(engine, tokeniz
         SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=12),
     ]
     together = await asyncio.gather(*(engine.generate([p], k) for p, k in zip(prompts, kinds, strict=True)))
-    assert forwards[0][0] == 3  # one prefill for all three
+    assert len(forwards[0][1]) == 3  # one prefill for all three
     engine.sleep()
     for p, k, (out,) in zip(prompts, kinds, together, strict=True):
         (alone,) = await engine.generate([p], k)
@@ -387,3 +390,40 @@ def test_weights_loaded_between_tokens_reach_a_running_answer_and_each_token_say
     expected = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
     assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4)
     assert engine.weights_version == 1 and engine.idle
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_beside_the_decoding_rows(tiny_model, tokenizer, forwards):
+    """With a budget of 8 prompt tokens a pass, three prompts are prefilled 8 tokens at a time, oldest
+    first; a prompt whose last chunk is in decodes from the next pass on, beside the chunks of the others;
+    the answers are those of an engine that prefills each prompt whole."""
+    chunked = LocalEngine(tiny_model, tokenizer, seed=0, max_context=1024, max_prefill_tokens=8)
+    prompts = [tokenizer.encode(SYSTEM + q)[:n] for q, n in (("Hi", 12), ("2+2", 21), ("Go on", 9))]
+    outs = gen(chunked, prompts, max_new_tokens=6, temperature=0.0)
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.token_ids == greedy_alone(tiny_model, tokenizer, p, 6).token_ids
+    assert forwards[:6] == [(0, (8,)), (0, (4, 4)), (1, (8,)), (1, (8,)), (1, (1, 7)), (2, (2,))]
+    assert forwards[6] == (3, ())  # 12 + 21 + 9 = 42 tokens in six passes, then all three decode
+    assert_logprobs_match_a_plain_forward(tiny_model, prompts, outs)
+
+
+def test_sliding_window_layers_see_only_their_window(tokenizer):
+    """Gemma 3 alternates sliding-window and full layers: a key more than `sliding_window` positions back
+    is hidden in the sliding ones, in decode rows and prompt chunks alike. The engine's log-probs are a
+    plain forward's (transformers' own masks) well past the window."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=1024,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    model = Gemma3ForCausalLM(config).eval()
+    engine = LocalEngine(model, tokenizer, seed=0, max_context=1024, max_prefill_tokens=5)
+    prompts = [tokenizer.encode(SYSTEM)[:n] for n in (13, 7)]
+    outs = gen(engine, prompts, max_new_tokens=12, temperature=1.0)
+    assert_logprobs_match_a_plain_forward(model, prompts, outs)
+    model.config.sliding_window = 1024  # the same model without the window: other log-probs
+    with pytest.raises(AssertionError):
+        assert_logprobs_match_a_plain_forward(model, prompts, outs)

@@ -41,12 +41,12 @@ async def client(served):
 
 
 def record_prefills(engine: LocalEngine) -> list:
-    """Spy on the engine's model: the row count of every prefill pass (more than one token a row)."""
+    """Spy on the engine's model: the number of prompts each forward pass that prefills prefills."""
     rows = []
 
     def hook(module, args, kwargs):
-        if "past_key_values" in kwargs and kwargs["input_ids"].shape[1] > 1:
-            rows.append(kwargs["input_ids"].shape[0])
+        if "past_key_values" in kwargs and (chunks := [s for s in kwargs["past_key_values"].segments if not s.decode]):
+            rows.append(len(chunks))
 
     engine.model._forward_pre_hooks.clear()
     engine.model.register_forward_pre_hook(hook, with_kwargs=True)
