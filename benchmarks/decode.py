@@ -4,12 +4,17 @@ The ceiling is measured here, in the same process: GFLOP/s of oneDNN's linear op
 MLP shape (576 -> 1536 for SmolLM2-135M) at 1024 rows (its peak) and at the batch's row count. The
 decode side runs `--rows` distinct prompts of `--prompt-tokens` tokens through the engine for
 `--new-tokens` tokens each, EOS switched off so every row decodes to the end, and counts only the
-decode forward passes (`engine.stats["decode_s"]`; prefill and sampling excluded).
+decode forward passes (`engine.stats["decode_s"]`; prefill and sampling excluded: the prompts are
+prefilled in one pass before any row decodes). `--baseline REV` runs `LocalEngine` as it was at git
+revision REV first, in the same process, on the same prompts.
 
 FLOPs per decoded token = 2 x (parameters of every matmul, the tied LM head included) + the attention
 over the context (4 x layers x hidden x context: scores and the weighted sum).
 
-    python benchmarks/decode.py [--rows 64] [--prompt-tokens 300] [--new-tokens 64]
+    python benchmarks/decode.py [--rows 64] [--prompt-tokens 300] [--new-tokens 64] [--spread 0] [--baseline REV]
+
+`--spread S` draws each prompt's length uniformly from prompt-tokens +- S (rows of unlike lengths, as a
+rollout's turns are).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import random
 import time
 
 import torch
+from engines import previous_engine_class
 
 from agent_r1.models.loading import load_model
 from agent_r1.models.onednn import _linear
@@ -44,6 +50,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=300)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--spread", type=int, default=0)
+    parser.add_argument("--baseline", default=None, help="git revision of a previous LocalEngine to run first")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     model, tokenizer = load_model(args.model)
@@ -53,21 +61,26 @@ def main() -> None:
     print(f"oneDNN {hidden}->{inner}: {peak:.0f} GFLOP/s at 1024 rows, {at_rows:.0f} at {args.rows} rows")
 
     rng = random.Random(0)
-    prompts = [[rng.randrange(100, cfg.vocab_size) for _ in range(args.prompt_tokens)] for _ in range(args.rows)]
-    engine = LocalEngine(model, tokenizer, max_batch_size=args.rows, seed=0)
-    engine.eos_ids = {-1}  # every row decodes all its tokens
-    engine.generate_batch(prompts[:2], SamplingParams(max_new_tokens=4), [0, 1])  # warm-up
-    before = dict(engine.stats)
-    engine.generate_batch(prompts, SamplingParams(max_new_tokens=args.new_tokens), list(range(args.rows)))
-    seconds = engine.stats["decode_s"] - before["decode_s"]
-    tokens = engine.stats["decoded"] - before["decoded"]
+    lengths = [args.prompt_tokens + rng.randint(-args.spread, args.spread) for _ in range(args.rows)]
+    prompts = [[rng.randrange(100, cfg.vocab_size) for _ in range(n)] for n in lengths]
     matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    context = args.prompt_tokens + args.new_tokens / 2  # the average context a decoded token attends to
-    flops = tokens * (2 * matmul_params + 4 * cfg.num_hidden_layers * hidden * context)
-    gflops = flops / seconds / 1e9
-    print(f"decode: {args.rows} rows, {tokens} tokens in {seconds:.2f} s of decode: {tokens / seconds:.0f} tok/s")
-    share = f"{gflops / peak:.0%} of the 1024-row rate, {gflops / at_rows:.0%} of the {args.rows}-row one"
-    print(f"        {gflops:.0f} GFLOP/s: {share}")
+    context = sum(lengths) / len(lengths) + args.new_tokens / 2  # the average context a decoded token attends to
+    engines = [("previous", previous_engine_class(args.baseline))] if args.baseline else []
+    for name, cls in [*engines, ("current", LocalEngine)]:
+        kw = {} if name == "previous" else {"max_prefill_tokens": sum(lengths)}  # prefill, then decode only
+        engine = cls(model, tokenizer, max_batch_size=args.rows, seed=0, **kw)
+        engine.eos_ids = {-1}  # every row decodes all its tokens
+        engine.generate_batch(prompts[:2], SamplingParams(max_new_tokens=4), [0, 1])  # warm-up
+        before = dict(engine.stats)
+        outs = engine.generate_batch(prompts, SamplingParams(max_new_tokens=args.new_tokens), list(range(args.rows)))
+        seconds = engine.stats["decode_s"] - before["decode_s"]
+        tokens = engine.stats["decoded"] - before["decoded"]
+        flops = tokens * (2 * matmul_params + 4 * cfg.num_hidden_layers * hidden * context)
+        gflops = flops / seconds / 1e9
+        print(f"{name}: {args.rows} rows, {tokens} tokens in {seconds:.2f} s of decode: {tokens / seconds:.0f} tok/s")
+        share = f"{gflops / peak:.0%} of the 1024-row rate, {gflops / at_rows:.0%} of the {args.rows}-row one"
+        print(f"        {gflops:.0f} GFLOP/s: {share}; first row's tokens {outs[0].token_ids[:6]}")
+        engine.sleep()
 
 
 if __name__ == "__main__":

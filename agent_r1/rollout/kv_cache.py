@@ -100,12 +100,13 @@ def slot_attention(
         tokens, mask = slice(seg.token, seg.token + seg.count), seg.mask(window)
         if seg.decode:  # each row reads its own slot, only up to the segment's longest row
             rows = slice(seg.slot, seg.slot + seg.count)
+            # a kv head's G query heads as G queries of it: its keys are read once, not G times (GQA)
+            grouped = q[:, tokens].transpose(0, 1).reshape(seg.count, key.shape[1], -1, q.shape[2])  # [c, Hkv, G, D]
             o = F.scaled_dot_product_attention(
-                q[:, tokens].transpose(0, 1)[:, :, None],  # [c, Hq, 1, D]
-                key[rows, :, : seg.width], value[rows, :, : seg.width],  # [c, Hkv, W, D]
-                attn_mask=mask, scale=scale, enable_gqa=True,
+                grouped, key[rows, :, : seg.width], value[rows, :, : seg.width],  # [c, Hkv, W, D]
+                attn_mask=mask, scale=scale,
             )  # fmt: skip
-            out[tokens] = o[:, :, 0]
+            out[tokens] = o.reshape(seg.count, -1, q.shape[2])  # [c, Hq, D]
         else:  # a chunk of one sequence over its slot: causal, offset by the columns it already holds
             row = slice(seg.slot, seg.slot + 1)
             o = F.scaled_dot_product_attention(

@@ -201,11 +201,11 @@ class LocalEngine:
         self._seeds = random.Random(seed)
         self.weights_version = 0  # bumped by every load_weights
         # prompt tokens computed / whose keys were already held, decode steps and the tokens they fed,
-        # seconds in passes without / with decode rows, rows whose caller went away, decode steps that
-        # also prefilled
+        # seconds in passes that only prefill / only decode, rows whose caller went away, decode steps
+        # that also prefilled and their seconds
         self.stats = {
             "prefilled": 0, "reused": 0, "decode_steps": 0, "decoded": 0, "prefill_s": 0.0, "decode_s": 0.0,
-            "aborted": 0, "mixed_steps": 0,
+            "aborted": 0, "mixed_steps": 0, "mixed_s": 0.0,
         }  # fmt: skip
         # shared with callers' threads, under _cond
         self._cond = threading.Condition()
@@ -756,7 +756,7 @@ class LocalEngine:
                 use_cache=True,
                 logits_to_keep=torch.tensor(keep or [0], device=dev),
             )
-        self.stats["decode_s" if rows else "prefill_s"] += time.perf_counter() - start
+        self.stats["mixed_s" if rows and chunks else "decode_s" if rows else "prefill_s"] += time.perf_counter() - start
         for s in rows:
             s.n += 1
         for s, k in chunks:
