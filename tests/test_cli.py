@@ -54,6 +54,7 @@ def test_bad_data_line(tmp_path, capsys):
         (["train", "dtype=fp16"], "config key 'dtype' must be one of"),
         (["train", "rollout.engine=vllm", "rollout.vllm.gpu_memory_utilization=1.5"], "must be in (0, 1]"),
         (["train", "cluster.rollout_workers=-1"], "cluster.rollout_workers must be >= 0"),
+        (["train", "rollout.max_prefill_tokens=0"], "rollout.max_prefill_tokens must be > 0, got 0"),
         (
             ["train", "cluster.rollout_workers=2", "cluster.address=127.0.0.1:1"],
             "cluster.address='127.0.0.1:1' does not answer",
@@ -64,6 +65,12 @@ def test_bad_train_config_fails_at_start(args, message, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_bad_serve_config_fails_at_start(capsys):
+    assert main(["serve", "max_prefill_tokens=0"]) == 2
+    err = capsys.readouterr().err
+    assert "kv_cache_gb and max_prefill_tokens must be positive" in err and err.count("\n") == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")

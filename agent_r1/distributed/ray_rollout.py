@@ -109,10 +109,7 @@ class RolloutWorker:
             from agent_r1.models.loading import load_model
 
             model, tokenizer = load_model(model, device="auto", dtype=options["dtype"])
-        self.engine = LocalEngine(
-            model.eval(), tokenizer, max_batch_size=options["max_batch_size"], seed=options["seed"],
-            kv_cache_gb=options["kv_cache_gb"],
-        )  # fmt: skip
+        self.engine = LocalEngine(model.eval(), tokenizer, **{k: v for k, v in options.items() if k != "dtype"})
 
     async def load_weights(self, state: dict[str, torch.Tensor], version: int, between_tokens: bool = False) -> int:
         # in a thread: the engine's decode thread delivers tokens to this event loop while the load waits for it
@@ -168,12 +165,7 @@ class RayRollout:
         if rollout.engine == "vllm":
             options = rollout.vllm_options(dtype, seed)
         else:
-            options = {
-                "max_batch_size": rollout.max_batch_size,
-                "seed": seed,
-                "dtype": dtype,
-                "kv_cache_gb": rollout.kv_cache_gb,
-            }
+            options = rollout.local_options(seed) | {"dtype": dtype}  # dtype: for a worker that loads the model
         actor = self.ray.remote(num_cpus=cluster.worker_cpus, num_gpus=cluster.worker_gpus, max_restarts=-1)(
             RolloutWorker
         )

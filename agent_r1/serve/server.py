@@ -43,6 +43,9 @@ class ServeConfig:
     kv_cache_gb: float = 4.0
     """KV memory for running requests and for finished ones kept for a continuation (evicted first);
     requests wait for room rather than exceed it"""
+    max_prefill_tokens: int = 2048
+    """prompt tokens one forward pass prefills beside the decoding rows (chunked prefill): lower keeps the
+    answers already streaming smooth while a burst arrives, higher prefills the burst sooner"""
     seed: int = 0
     """seed of requests that set none"""
     prompt_format: Literal["auto", "chat", "text"] = "auto"
@@ -58,9 +61,11 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if min(self.max_batch_size, self.max_tokens, self.request_timeout, self.max_request_mb, self.kv_cache_gb) <= 0:
+        sizes = (self.max_batch_size, self.max_tokens, self.request_timeout, self.max_request_mb, self.kv_cache_gb)
+        if min(*sizes, self.max_prefill_tokens) <= 0:
             raise ValueError(
-                "max_batch_size, max_tokens, request_timeout, max_request_mb and kv_cache_gb must be positive"
+                "max_batch_size, max_tokens, request_timeout, max_request_mb, kv_cache_gb and max_prefill_tokens "
+                "must be positive"
             )
 
     @property
@@ -77,7 +82,7 @@ def run_serve(cfg: ServeConfig) -> None:
     chat = is_chat_model(cfg.model, processor) if cfg.prompt_format == "auto" else cfg.prompt_format == "chat"
     engine = LocalEngine(
         model, tokenizer, max_batch_size=cfg.max_batch_size, max_context=cfg.max_context, seed=cfg.seed,
-        batch_wait_s=cfg.batch_wait_ms / 1000, kv_cache_gb=cfg.kv_cache_gb,
+        batch_wait_s=cfg.batch_wait_ms / 1000, kv_cache_gb=cfg.kv_cache_gb, max_prefill_tokens=cfg.max_prefill_tokens,
     )  # fmt: skip
     served = ServedModel(
         engine, tokenizer, prompt_format_for(processor, chat=chat), cfg.served_name,

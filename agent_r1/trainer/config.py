@@ -55,6 +55,9 @@ class RolloutConfig:
     kv_cache_gb: float = 4.0
     """rollout.engine=local: KV memory for running rows and for finished turns kept for the next one
     (evicted first, then rows wait); freed for the update"""
+    max_prefill_tokens: int = 2048
+    """rollout.engine=local: prompt tokens one forward pass prefills beside the decoding rows (chunked
+    prefill; a longer prompt takes several steps)"""
     engine: Literal["local", "remote", "vllm"] = "local"
     """local: the trainer's own model object samples (no copy, no weight sync); vllm: vLLM in this
     process; remote: an OpenAI-compatible server that speaks token ids (vllm serve, agent-r1 serve).
@@ -66,6 +69,13 @@ class RolloutConfig:
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
+
+    def local_options(self, seed: int) -> dict[str, Any]:
+        """`LocalEngine`'s keyword arguments from this config (in the trainer or on a Ray worker)."""
+        return {
+            "max_batch_size": self.max_batch_size, "seed": seed, "kv_cache_gb": self.kv_cache_gb,
+            "max_prefill_tokens": self.max_prefill_tokens,
+        }  # fmt: skip
 
     def vllm_options(self, dtype: str, seed: int) -> dict[str, Any]:
         """`VLLMEngine`'s keyword arguments from this config (in the trainer or on a Ray worker)."""
@@ -266,6 +276,7 @@ class TrainConfig:
             (0 < r.vllm.gpu_memory_utilization <= 1, "rollout.vllm.gpu_memory_utilization must be in (0, 1]"),
             ((r.vllm.kv_cache_gb or 1) > 0, f"rollout.vllm.kv_cache_gb must be > 0, got {r.vllm.kv_cache_gb}"),
             (r.kv_cache_gb > 0, f"rollout.kv_cache_gb must be > 0, got {r.kv_cache_gb}"),
+            (r.max_prefill_tokens > 0, f"rollout.max_prefill_tokens must be > 0, got {r.max_prefill_tokens}"),
             (a.tis_cap == 0 or a.tis_cap >= 1, f"algo.tis_cap must be 0 (off) or >= 1, got {a.tis_cap}"),
             (
                 not (self.val.every and getattr(self.task.options, "data", None) and "data" not in self.val.task),

@@ -379,7 +379,7 @@ def _group_runner(
         return EngineGroups(engine, make_env, cfg.rollout.sampling(), cfg.seed)
     r = cfg.rollout
     own = merged_copy(plain)
-    engine = LocalEngine(own, tokenizer, max_batch_size=r.max_batch_size, seed=cfg.seed, kv_cache_gb=r.kv_cache_gb)
+    engine = LocalEngine(own, tokenizer, **r.local_options(cfg.seed))
     return EngineGroups(engine, make_env, r.sampling(), cfg.seed)
 
 
@@ -401,7 +401,7 @@ def _engine(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, run_dir: 
     rollout workers, `rollout.engine` is theirs."""
     r = cfg.rollout
     if cfg.cluster.rollout_workers:  # Ray workers roll out; this engine only validates, over `policy` itself
-        return LocalEngine(policy, tokenizer, max_batch_size=r.max_batch_size, seed=cfg.seed, kv_cache_gb=r.kv_cache_gb)
+        return LocalEngine(policy, tokenizer, **r.local_options(cfg.seed))
     if r.engine == "remote":
         return RemoteEngine(r.url, sync_dir=str(run_dir / "weight_sync"))
     if r.engine == "vllm":
@@ -409,7 +409,7 @@ def _engine(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, run_dir: 
         path = _engine_source(cfg, policy, tokenizer, run_dir, from_config)
         sleep = r.vllm.sleep and cuda and not r.max_staleness  # asynchronous: it rolls out during the update
         return VLLMEngine(path, sleep=sleep, **r.vllm_options(cfg.dtype, cfg.seed))
-    return LocalEngine(policy, tokenizer, max_batch_size=r.max_batch_size, seed=cfg.seed, kv_cache_gb=r.kv_cache_gb)
+    return LocalEngine(policy, tokenizer, **r.local_options(cfg.seed))
 
 
 def _engine_source(

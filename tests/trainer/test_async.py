@@ -22,7 +22,9 @@ def run(cfg, tokenizer, env=LowIdEnv, tasks=TASKS):
 
 
 def test_async_grpo_learns_with_bounded_staleness_and_a_corrected_ratio(tmp_path, tokenizer):
-    _, hist = run(toy_config(tmp_path, "steps=12", "rollout.max_staleness=1"), tokenizer)
+    # 16 steps: at 12 this toy gained +0.19 to +0.23 (5 runs each of the engine before and after the packed
+    # passes), on the threshold; at 16 it gains +0.31 to +0.33
+    _, hist = run(toy_config(tmp_path, "steps=16", "rollout.max_staleness=1"), tokenizer)
     first, last = sum(h["reward_mean"] for h in hist[:3]) / 3, sum(h["reward_mean"] for h in hist[-3:]) / 3
     assert first < 0.6 and last > first + 0.2, [h["reward_mean"] for h in hist]
     for h in hist:
