@@ -80,4 +80,4 @@ def alias_key(t: torch.Tensor) -> tuple:
 def engine_busy_s(engine: Any) -> float | None:
     """Seconds the engine has spent in forward passes, for engines that count them (LocalEngine)."""
     stats = getattr(engine, "stats", None)
-    return stats["prefill_s"] + stats["decode_s"] + stats.get("mixed_s", 0.0) if stats else None
+    return stats["prefill_s"] + stats["decode_s"] + stats["mixed_s"] if stats else None

@@ -480,12 +480,11 @@ class LocalEngine:
         logits = self._forward(ready, chunks)  # [r, V]: the ready rows, then the prompts just completed
         rows, index = list(ready), list(range(len(ready)))
         for i, s in enumerate(s for s, _ in chunks if s.n == len(s.prompt)):
-            for f in [s, *s.followers]:
-                if f is not s:
-                    self._slots().move(s.slot, f.slot, len(f.prompt))
-                    f.n, f.leader = len(f.prompt), None
-                rows.append(f)
-                index.append(len(ready) + i)
+            for f in s.followers:
+                self._slots().move(s.slot, f.slot, len(f.prompt))
+                f.n, f.leader = len(f.prompt), None
+            rows += [s, *s.followers]  # the followers sample from their leader's logits
+            index += [len(ready) + i] * (1 + len(s.followers))
             s.followers = []
         return rows, logits[torch.tensor(index, device=logits.device)] if rows else logits
 
