@@ -245,8 +245,7 @@ class _SlotLayer(CacheLayerMixin):
         layer = c.buf[self.index]  # [2, slots, H, capacity, D]
         layer[0][c.slot_of, :, c.cols] = key_states[0].transpose(0, 1)  # [T, H, D]
         layer[1][c.slot_of, :, c.cols] = value_states[0].transpose(0, 1)
-        self.keys, self.values = layer[0], layer[1]
-        return self.keys, self.values
+        return layer[0], layer[1]  # not kept on the layer: a view would keep the buffer alive after `release`
 
     def get_seq_length(self) -> int:
         return self.cache.width
