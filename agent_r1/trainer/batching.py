@@ -1,22 +1,22 @@
 """Group training rows into micro-batches under a token budget, computing shared prefixes once.
 
 Agent rows repeat a long prefix: system prompt, tool schemas, few-shot examples, and within a GRPO
-group the whole question. A micro-batch whose rows share a prefix of C tokens runs that prefix once
-(batch 1), copies its KV cache to every row, and runs only the suffixes. The gradient is exact: it
-flows back through the copies into the one prefix pass. On the calculator task this removes about
-70% of the training tokens (docs/benchmarks.md).
+group the whole question. A micro-batch whose rows share a prefix of C tokens runs as one sequence:
+the prefix once, then every row's suffix, with a 4D attention mask that lets a suffix token see the
+prefix and the earlier tokens of its own row (`_prefix_once_forward`). The gradient is exact: every
+suffix's attention reads the one prefix pass. On the calculator task this removes about 70% of the
+training tokens (docs/benchmarks.md). An earlier version ran the prefix with a KV cache copied to every
+row and the suffixes right-padded to the longest: on the demo's micro-batches 40% of the suffix
+positions were padding, and the copies and padding held a third more activations for backward than
+the one sequence does, for no fewer FLOPs (CPU SDPA's flash kernel takes the mask and saves only its
+output and log-sum-exp). The one sequence also works where a cache cannot carry the prefix: with
+activation checkpointing (transformers drops the cache inside checkpointed layers) and under FSDP2
+(a layer's gathered weights are freed after each forward call).
 
 Rows without a worthwhile shared prefix are packed instead: concatenated into one sequence whose
 position ids restart at 0 at every row, which transformers turns into a block-diagonal causal mask
 (its "packed sequence" detection). On CPU the masked attention over a packed sequence is dense, so
 keep `max_tokens` near a row's length there (1024 by default).
-
-Two training forwards cannot use the KV cache that way: with activation (gradient) checkpointing on,
-transformers ignores the cache inside the decoder layers; under FSDP2 (torchrun) a layer's gathered
-weights are freed after each of its forward calls, and the prefix call's gradient arrives through
-the cache, not its output, so nothing gathers them again for it. There the prefix and the suffixes
-run as one sequence in one call (`_prefix_once_forward`): a 4D attention mask lets each suffix see
-the prefix and itself, so the prefix is still computed once and the result is the same.
 
 Bins are filled first-fit-decreasing by the tokens they will actually compute.
 
@@ -31,12 +31,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from agent_r1.distributed.fsdp import ROOT_FORWARD
 from agent_r1.distributed.group import SINGLE, Dist
 from agent_r1.models.precision import autocast, model_device
 from agent_r1.models.vision import embed_with_images, image_token_id, placeholder_keys, rope_index, rope_positions
+from agent_r1.rollout.kv_cache import SLOT_ATTENTION
 from agent_r1.types import Image
 
 
@@ -313,10 +313,8 @@ def _states_and_logits(
     embeds, rope = _image_embeds(model, mb), _rope(model, mb)  # [L, H] and [3, L], None without images
     if mb.prefix_len == 0:
         states = _packed_forward(model, mb, embeds, rope)
-    elif _drops_kv_cache(_backbone(model)) or (torch.is_grad_enabled() and hasattr(model, ROOT_FORWARD)):
-        states = _prefix_once_forward(model, mb, embeds, rope)  # the module docstring says why not the KV cache here
     else:
-        states = _shared_forward(model, mb, embeds, rope)
+        states = _prefix_once_forward(model, mb, embeds, rope)
     return states, model.get_output_embeddings()(states[targets - 1])
 
 
@@ -369,39 +367,6 @@ def _packed_forward(
     return out.last_hidden_state[0]
 
 
-def _shared_forward(
-    model: torch.nn.Module, mb: MicroBatch, embeds: torch.Tensor | None = None, rope: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Last hidden states [L, H]: the shared prefix runs once, its KV is copied to every row's suffix.
-
-    Gradients flow through the copies into the prefix pass, so this is exact, not an approximation.
-    """
-    backbone, C, dev = _backbone(model), mb.prefix_len, mb.input_ids.device
-    B, S = len(mb.row_lens), max(mb.row_lens) - C
-    if embeds is None:  # [L, H] one lookup: one dense [V, H] gradient, not two
-        embeds = backbone.get_input_embeddings()(mb.input_ids)
-    cache = DynamicCache()
-    prefix_pos = torch.arange(C, device=dev)[None] if rope is None else rope[:, None, :C]  # [1, C] or [3, 1, C]
-    backbone(inputs_embeds=embeds[None, :C], position_ids=prefix_pos, past_key_values=cache, use_cache=True)
-    cache.batch_repeat_interleave(B)
-    spans = mb.row_spans
-    # [B, S] position in `embeds` of each suffix token (right-padded with 0), [B, C+S] its attention mask
-    take = torch.tensor([list(range(start + C, start + n)) + [0] * (S - n + C) for start, n in spans], device=dev)
-    attn = torch.tensor([[1] * n + [0] * (S - n + C) for _, n in spans], device=dev)
-    out = backbone(
-        inputs_embeds=embeds[take],  # [B, S, H]
-        attention_mask=attn,
-        position_ids=(C + torch.arange(S, device=dev)).expand(B, S) if rope is None else rope[:, take],  # or [3, B, S]
-        past_key_values=cache,
-        use_cache=True,
-    )
-    hidden = out.last_hidden_state  # [B, S, H]
-    states = hidden.new_zeros((len(mb.input_ids), hidden.shape[-1]))  # [L, H]
-    index = torch.tensor([i for start, n in spans for i in range(start + C, start + n)], device=dev)
-    valid = torch.tensor([b * S + i for b, (_, n) in enumerate(spans) for i in range(n - C)], device=dev)
-    return states.index_put((index,), hidden.reshape(B * S, -1)[valid])
-
-
 def _prefix_once_forward(
     model: torch.nn.Module, mb: MicroBatch, embeds: torch.Tensor | None = None, rope: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -416,38 +381,58 @@ def _prefix_once_forward(
     owner = torch.cat(
         [torch.full((C,), -1, device=dev)] + [torch.full((n - C,), b, device=dev) for b, n in enumerate(mb.row_lens)]
     )  # [L'] -1 in the prefix, else the row
-    i = torch.arange(len(take), device=dev)
-    sees = (i[:, None] >= i[None, :]) & ((owner[:, None] == owner[None, :]) | (owner[None, :] == -1))  # [L', L']
+    positions = mb.position_ids[take]  # [L'] the text positions, prefix then each suffix continuing it
     tokens = {"input_ids": mb.input_ids[take][None]} if embeds is None else {"inputs_embeds": embeds[take][None]}
     out = _backbone(model)(
         **tokens,
-        position_ids=mb.position_ids[take][None] if rope is None else rope[:, take][:, None],
-        attention_mask=sees[None, None],  # [1, 1, L', L'] used as given (transformers' custom 4D mask)
+        position_ids=positions[None] if rope is None else rope[:, take][:, None],
+        attention_mask=_prefix_once_masks(model, owner, positions),  # used as given (transformers' custom 4D mask)
         use_cache=False,
     ).last_hidden_state[0]  # [L', H]
     return out.new_zeros((len(mb.input_ids), out.shape[-1])).index_put((take,), out)
 
 
+def _prefix_once_masks(
+    model: torch.nn.Module, owner: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The [1, 1, L', L'] attention mask of `_prefix_once_forward`'s sequence, in the form the model's
+    attention takes it: a token sees the earlier tokens of the prefix (`owner` -1) and of its own row.
+
+    transformers uses a 4D mask as given for every layer, so what its own masks would add must be
+    here: sliding windows, by position (a suffix's window reaches back into the prefix, not into the
+    rows between), as one mask for a model whose layers all slide (Mistral, `sliding_window` without
+    `layer_types`) or as a mask per layer type for one that mixes them (Gemma 2/3: `layer_types`); and
+    the format: booleans for SDPA, an additive float mask for eager attention. Attention that takes no
+    4D mask (flash-attention) is refused in one line: the suffixes would see each other."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    impl = text._attn_implementation
+    if impl not in ("sdpa", "eager", SLOT_ATTENTION):
+        raise ValueError(
+            f"shared-prefix micro-batches need an attention implementation that takes a 4D mask (sdpa or eager), "
+            f"not {impl!r}: load the model with attn_implementation='sdpa'"
+        )
+    i = torch.arange(len(owner), device=owner.device)
+    sees = (i[:, None] >= i[None, :]) & ((owner[:, None] == owner[None, :]) | (owner[None, :] == -1))  # [L', L']
+
+    def form(m: torch.Tensor) -> torch.Tensor:  # [L', L'] -> [1, 1, L', L']
+        if impl == "eager":
+            dtype = _backbone(model).get_input_embeddings().weight.dtype
+            m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
+        return m[None, None]
+
+    window = getattr(text, "sliding_window", None)
+    types = set(getattr(text, "layer_types", None) or ())
+    windowed = sees & (positions[:, None] - positions[None, :] < window) if window else sees
+    if "sliding_attention" not in types:  # every layer alike: windowed where a window is all it has
+        return form(sees if types else windowed)
+    if unknown := types - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"shared-prefix micro-batches do not support the layer types {sorted(unknown)}")
+    return {"full_attention": form(sees), "sliding_attention": form(windowed)}
+
+
 def _backbone(model: torch.nn.Module) -> torch.nn.Module:
     """The decoder without its LM head (works for plain and peft-wrapped causal LMs)."""
     return model.get_decoder()
-
-
-def _drops_kv_cache(backbone: torch.nn.Module) -> bool:
-    """Whether transformers will ignore `past_key_values` and `use_cache` in this decoder's layers.
-
-    While a model trains with activation (gradient) checkpointing on, each checkpointed decoder layer
-    sets `past_key_values=None, use_cache=False` (transformers' `GradientCheckpointingLayer`), so
-    `_shared_forward`'s suffix pass would silently not see the prefix. `gradient_checkpointing_enable`
-    sets the decoder's own flag along with its layers' (peft-wrapped models too); the scan over the
-    modules is only for a decoder without a flag of its own.
-    """
-    if not backbone.training:
-        return False
-    flag = getattr(backbone, "gradient_checkpointing", None)
-    if flag is not None:
-        return bool(flag)
-    return any(getattr(m, "gradient_checkpointing", False) and m.training for m in backbone.modules())
 
 
 # What some causal LMs' forward does to `lm_head(hidden)` before it returns logits (transformers 5.x), by

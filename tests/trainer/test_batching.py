@@ -117,8 +117,8 @@ def enable_checkpointing(model):
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_gradient_checkpointing_gives_the_same_logprobs_and_gradients_on_a_shared_prefix(lora):
-    """Checkpointing layers drop the KV cache while training, so the prefix then runs once in the same
-    call as the suffixes (a 4D mask), not through the cache; the result must not change."""
+    """Checkpointed layers recompute the one sequence (prefix once, then the suffixes under a 4D mask) in
+    backward; the log-probs and gradients must not change."""
     data = rows()[:3]  # all share PREFIX
     (mb,) = pack(data, max_tokens=1000)
     assert mb.prefix_len == 40
@@ -202,21 +202,61 @@ def test_an_unknown_logit_processing_is_refused_in_one_line(attr, value):
     token_logprobs(model, mb)  # unset: the plain path
 
 
-def test_the_shared_prefix_is_still_run_once_when_checkpointing_cannot_drop_the_cache(monkeypatch):
-    """Checkpointing only drops the cache while training: in eval mode (or with it off) the prefix runs
-    through the KV cache; while training with it on, once in the suffixes' own call (4D mask)."""
+def test_a_shared_prefix_runs_once_in_one_sequence_with_checkpointing_on_or_off(monkeypatch):
+    """Rows sharing a prefix run as one sequence (the prefix, then every suffix, no padding) in eval
+    mode, while training, and while training with checkpointing (which would drop a KV cache); rows
+    without one are packed."""
     import agent_r1.trainer.batching as batching
 
     calls = []
-    for fn in ("_shared_forward", "_packed_forward", "_prefix_once_forward"):
+    for fn in ("_packed_forward", "_prefix_once_forward"):
         original = getattr(batching, fn)
         monkeypatch.setattr(
             batching, fn, lambda m, mb, *rest, fn=fn, original=original: calls.append(fn) or original(m, mb, *rest)
         )
     (mb,) = pack(rows()[:3], max_tokens=1000)
+    assert mb.prefix_len > 0
     model = tiny_model().train()
     token_logprobs(model, mb)
     enable_checkpointing(model)
     token_logprobs(model.eval(), mb)
     token_logprobs(model.train(), mb)
-    assert calls == ["_shared_forward", "_shared_forward", "_prefix_once_forward"]
+    token_logprobs(model, pack(rows()[:3], max_tokens=1000, min_shared_prefix=10**6)[0])
+    assert calls == ["_prefix_once_forward"] * 3 + ["_packed_forward"]
+
+
+WINDOWED = {  # sliding windows shorter than the shared prefix: one mask for every layer, or one per layer type
+    "Mistral": lambda: transformers.MistralConfig(**TINY, num_key_value_heads=2, sliding_window=6),
+    "Gemma2": lambda: transformers.Gemma2Config(**TINY, num_key_value_heads=2, head_dim=8, sliding_window=6),
+}
+
+
+@pytest.mark.parametrize("name", list(WINDOWED))
+def test_a_shared_prefix_keeps_the_models_sliding_windows(name):
+    """The one sequence of a shared prefix and its suffixes is masked as the model masks each row alone:
+    a suffix's window reaches back into the prefix by position (Mistral: every layer slides; Gemma 2:
+    sliding and full layers alternate, on eager attention, whose mask is additive). Log-probs and
+    gradients equal the rows' own forwards, and differ when the window is ignored."""
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{name}ForCausalLM")(WINDOWED[name]()).train()
+    data = rows()[:3]
+    (mb,) = pack(data, max_tokens=1000)
+    assert mb.prefix_len == 40
+    ref = torch.cat([reference(model, r) for r in mb.rows])
+    weights = torch.linspace(-1.0, 2.0, len(ref))
+    ref_grads = grads_of(model, (ref * weights).sum())
+    logp, _, _ = token_logprobs(model, mb)
+    assert torch.allclose(logp, ref, atol=1e-5)
+    for n, g in grads_of(model, (logp * weights).sum()).items():
+        assert torch.allclose(g, ref_grads[n], atol=1e-5), n
+    model.config.sliding_window = None  # the same sequence without windows: the answer changes
+    assert not torch.allclose(token_logprobs(model, mb)[0], ref, atol=1e-3)
+
+
+def test_attention_without_4d_masks_is_refused_in_one_line():
+    model = tiny_model()
+    model.config._attn_implementation = "flash_attention_2"
+    (mb,) = pack(rows()[:3], max_tokens=1000)
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'") as err:
+        token_logprobs(model, mb)
+    assert "\n" not in str(err.value)
