@@ -17,6 +17,7 @@ Set `AGENT_R1_ONEDNN=0` to keep MKL.
 
 from __future__ import annotations
 
+import inspect
 import os
 import platform
 
@@ -77,6 +78,95 @@ class OneDNNLinear(nn.Linear):
         return _linear(x, w, self.bias)
 
 
+class _SwiGLUDownFn(torch.autograd.Function):
+    """down(silu(gate) * up), holding only `gate` and `up` for backward.
+
+    Why: autograd through transformers' `down_proj(act_fn(gate_proj(x)) * up_proj(x))` holds four
+    [T, intermediate] tensors a layer (gate, silu(gate), up, their product): half of a training
+    forward's activations on Llama-family models. The product and silu(gate) are two elementwise ops
+    to recompute in backward, against a [T, intermediate] x [intermediate, hidden] product the
+    gradients need anyway, so this holds two of the four at no measurable cost. Every gradient is
+    computed by the same ops as autograd's (oneDNN products, `silu_backward`), so they are the same to
+    the bit (tests/models/test_onednn.py)."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        ctx.save_for_backward(gate, up, weight)
+        ctx.has_bias = bias is not None
+        return _linear(F.silu(gate) * up, weight, bias)  # [..., hidden]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up, weight = ctx.saved_tensors
+        act = F.silu(gate)
+        g = grad.reshape(-1, grad.shape[-1])  # [N, hidden]
+        grad_w = grad_b = None
+        if ctx.needs_input_grad[2]:
+            h = act * up  # [..., intermediate] recomputed
+            grad_w = _linear(g.t(), h.reshape(-1, h.shape[-1]).t())  # [hidden, intermediate]
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            grad_b = g.sum(0)
+        grad_h = _linear(grad, weight.t())  # [..., intermediate]
+        return torch.ops.aten.silu_backward(grad_h * up, gate), grad_h * act, grad_w, grad_b
+
+
+# the forward bodies of the MLPs whose activations `_SwiGLUDownFn` holds fewer of (Llama, Qwen 2/3, Mistral, ...)
+_SWIGLU = "self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"
+SWIGLU_FORWARDS = ([f"return {_SWIGLU}"], [f"down_proj = {_SWIGLU}", "return down_proj"])
+
+
+class RecomputedSwiGLU:
+    """Mixed into a Llama-family MLP class whose forward is one of `SWIGLU_FORWARDS`, with a SiLU: while
+    training in fp32 on the CPU with a plain (not LoRA-wrapped) `down_proj`, the forward is
+    `_SwiGLUDownFn`; otherwise the class's own. Copies and pickles are of the original class (the
+    rollout copies never train)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        down = self.down_proj
+        if (
+            type(down) is OneDNNLinear
+            and torch.is_grad_enabled()
+            and x.dtype == torch.float32
+            and down.weight.dtype == torch.float32
+            and x.device.type == "cpu"
+            and not torch.is_autocast_enabled("cpu")
+        ):
+            return _SwiGLUDownFn.apply(self.gate_proj(x), self.up_proj(x), down.weight, down.bias)
+        return super().forward(x)
+
+    def __reduce_ex__(self, protocol):
+        return _as_class, (self.__class__.__bases__[1], self.__dict__)
+
+
+def _as_class(cls: type, state: dict) -> nn.Module:
+    """An object of `cls` with `state` (how `RecomputedSwiGLU` modules copy and pickle)."""
+    obj = cls.__new__(cls)
+    obj.__setstate__(state)
+    return obj
+
+
+_SWIGLU_CLASSES: dict[type, type] = {}
+
+
+def _recomputed_swiglu(module: nn.Module) -> bool:
+    """Mix `RecomputedSwiGLU` into `module`'s class if its forward is the SwiGLU one; True if it was."""
+    from transformers.activations import SiLUActivation  # here: benchmarks/kernels.py is "kernels" to transformers
+
+    cls, act = type(module), getattr(module, "act_fn", None)
+    if isinstance(module, RecomputedSwiGLU) or not isinstance(act, nn.SiLU | SiLUActivation):
+        return False
+    if cls not in _SWIGLU_CLASSES:
+        try:
+            lines = [line.strip() for line in inspect.getsource(cls.forward).splitlines()[1:]]
+        except (OSError, TypeError):
+            return False
+        if [line for line in lines if line] not in SWIGLU_FORWARDS:
+            return False
+        _SWIGLU_CLASSES[cls] = type(cls.__name__, (RecomputedSwiGLU, cls), {"__module__": cls.__module__})
+    module.__class__ = _SWIGLU_CLASSES[cls]
+    return True
+
+
 def use_onednn(model: nn.Module) -> int:
     """Swap every `nn.Linear` of `model` to `OneDNNLinear` in place; returns how many were swapped
     (0 when oneDNN is unavailable or switched off).
@@ -96,4 +186,6 @@ def use_onednn(model: nn.Module) -> int:
         if type(module) is nn.Linear:
             module.__class__ = OneDNNLinear
             swapped += 1
+    for module in model.modules():
+        _recomputed_swiglu(module)
     return swapped

@@ -33,6 +33,7 @@ from agent_r1.trainer.common import adamw, lr_schedule
 from agent_r1.trainer.export import policy_info
 from agent_r1.types import Message, Step, TrainSequence, Trajectory
 from agent_r1.utils.jsonl import append_jsonl
+from agent_r1.utils.malloc import trim_heap
 from agent_r1.utils.paths import write_text_atomic
 from agent_r1.utils.progress import progress_bar
 
@@ -173,6 +174,7 @@ def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any 
                     logp, _, _ = token_logprobs(policy, mb)
                     loss = -(logp * mb.mask).sum() / n_tokens  # mean NLL over the batch's trainable tokens
                     loss.backward()
+                    trim_heap()  # the micro-batch's freed activations back to the OS (utils/malloc.py)
                     nll += loss.item()
                     tokens += mb.num_tokens
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)

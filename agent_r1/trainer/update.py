@@ -18,6 +18,7 @@ from agent_r1.models.precision import model_device
 from agent_r1.trainer.batching import Row, pack, token_logprobs
 from agent_r1.trainer.config import TrainConfig
 from agent_r1.trainer.critic import Critic, value_mask
+from agent_r1.utils.malloc import trim_heap
 
 
 def policy_update(
@@ -96,6 +97,7 @@ def policy_update(
                 # a check here would wait for the device at every micro-batch
                 nonfinite |= ~torch.isfinite(loss.detach())
                 loss.backward()
+                trim_heap()  # the micro-batch's freed activations back to the OS before the next one
                 train_tokens += mb.num_tokens
                 m["entropy"] = (entropy.detach() * mb.mask).sum() / mb.mask.sum().clamp(min=1)
                 for k, v in m.items():  # 0-d tensors on the device, read after the update

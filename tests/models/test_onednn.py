@@ -11,7 +11,7 @@ from torch import nn
 from transformers import LlamaForCausalLM
 
 from agent_r1.models.lora import with_lora
-from agent_r1.models.onednn import OneDNNLinear, onednn_available, use_onednn
+from agent_r1.models.onednn import OneDNNLinear, RecomputedSwiGLU, onednn_available, use_onednn
 from agent_r1.trainer.config import LoraConfig
 from tests.conftest import make_tiny_llama
 
@@ -94,3 +94,42 @@ def test_opting_out_keeps_mkl(monkeypatch):
     monkeypatch.setenv("AGENT_R1_ONEDNN", "0")
     layer = nn.Linear(4, 4)
     assert not onednn_available() and use_onednn(layer) == 0 and type(layer) is nn.Linear
+
+
+def test_swiglu_mlps_hold_two_of_four_intermediates_with_the_same_gradients_to_the_bit():
+    """Llama's MLP under `use_onednn` holds gate and up for backward, not silu(gate) and the product
+    too; values and every gradient are bitwise those of autograd through the original MLP."""
+    torch.manual_seed(0)
+    fast = make_tiny_llama(100)
+    assert all(isinstance(m, RecomputedSwiGLU) for m in fast.modules() if type(m).__name__ == "LlamaMLP")
+    plain = copy.deepcopy(fast)  # copies are of the original MLP class (oneDNN linears kept)
+    assert not any(isinstance(m, RecomputedSwiGLU) for m in plain.modules())
+    ids = torch.randint(0, 100, (2, 12))
+
+    def run(model):
+        held = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t.numel()) or t, lambda t: t):
+            logits = model(ids).logits
+        torch.log_softmax(logits, -1)[..., 3].sum().backward()
+        return logits, sum(held), {n: p.grad for n, p in model.named_parameters()}
+
+    logits, held, grads = run(fast)
+    logits_plain, held_plain, grads_plain = run(plain)
+    assert torch.equal(logits, logits_plain)
+    assert all(torch.equal(grads[n], g) for n, g in grads_plain.items())
+    cfg = fast.config
+    assert held_plain - held == 2 * ids.numel() * cfg.intermediate_size * cfg.num_hidden_layers
+
+
+def test_recomputed_swiglu_pickles_as_the_original_class_and_lora_falls_back():
+    import pickle
+
+    model = make_tiny_llama(100)
+    back = pickle.loads(pickle.dumps(model))  # Ray ships CPU copies of the policy to its workers
+    assert type(back.model.layers[0].mlp).__name__ == "LlamaMLP" and not isinstance(
+        back.model.layers[0].mlp, RecomputedSwiGLU
+    )
+    policy = with_lora(make_tiny_llama(100), LoraConfig(enabled=True, r=4, target_modules=["down_proj"]))
+    ids = torch.randint(0, 100, (1, 10))
+    policy(input_ids=ids).logits.sum().backward()  # a LoRA-wrapped down_proj: the class's own forward
+    assert all(p.grad is not None for n, p in policy.named_parameters() if "lora_" in n and "down_proj" in n)

@@ -318,9 +318,9 @@ def test_sleep_frees_the_kv_memory(engine, tokenizer):
 
     gen(engine, prompts_of(tokenizer), max_new_tokens=4, temperature=0.0)
     ptr = engine._cache.buf.untyped_storage().data_ptr()
-    on_buffer = [
-        weakref.ref(t) for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == ptr
-    ]  # the buffer and any view of it
+    tensors = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]
+    on_buffer = [weakref.ref(t) for t in tensors if t.untyped_storage().data_ptr() == ptr]  # the buffer, any view
+    del tensors
     engine.sleep()
     gc.collect()
     assert all(t() is None for t in on_buffer)

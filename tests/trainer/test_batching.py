@@ -260,3 +260,16 @@ def test_attention_without_4d_masks_is_refused_in_one_line():
     with pytest.raises(ValueError, match="attn_implementation='sdpa'") as err:
         token_logprobs(model, mb)
     assert "\n" not in str(err.value)
+
+
+def test_a_run_is_cut_into_as_few_bins_as_filling_makes_but_even():
+    """Eight rows sharing a 40-token prefix at a budget that fits seven: filling makes 7 + 1 rows, the
+    balanced cut 4 + 4, computing the same tokens with the largest micro-batch 60% the size."""
+    data = [row([*PREFIX, 50 + i, *range(10)], 41) for i in range(8)]  # 11 own tokens each
+    budget = 40 + 7 * 11
+    mbs = pack(data, max_tokens=budget)
+    assert sorted(len(mb.rows) for mb in mbs) == [4, 4]
+    assert all(mb.prefix_len == 40 and mb.num_tokens == 40 + 4 * 11 for mb in mbs)
+    # a token less: filling makes 6 + 2, still two bins, so again 4 + 4
+    assert [len(mb.rows) for mb in pack(data, max_tokens=budget - 1)] == [4, 4]
+    assert len(pack(data, max_tokens=40 + 3 * 11)) == 3  # fewer rows fit: 3 bins of at most 3
