@@ -83,9 +83,9 @@ class _SwiGLUDownFn(torch.autograd.Function):
 
     Why: autograd through transformers' `down_proj(act_fn(gate_proj(x)) * up_proj(x))` holds four
     [T, intermediate] tensors a layer (gate, silu(gate), up, their product): half of a training
-    forward's activations on Llama-family models. The product and silu(gate) are two elementwise ops
-    to recompute in backward, against a [T, intermediate] x [intermediate, hidden] product the
-    gradients need anyway, so this holds two of the four at no measurable cost. Every gradient is
+    forward's activations on Llama-family models. silu(gate) and the product are two elementwise ops
+    to recompute in backward, small beside the [T, intermediate] x [intermediate, hidden] products the
+    gradients need anyway, so this holds two of the four. Every gradient is
     computed by the same ops as autograd's (oneDNN products, `silu_backward`), so they are the same to
     the bit (tests/models/test_onednn.py)."""
 
@@ -176,6 +176,9 @@ def use_onednn(model: nn.Module) -> int:
     `num_key_value_groups` times first (`repeat_kv`). On this CPU the masked attention of a [64, 60]
     prefill over 360 keys takes 33 ms instead of 81, with bitwise the same output (docs/benchmarks.md).
     On CUDA, SDPA falls back to its slow math kernel for GQA with a mask, so the default stays there.
+
+    Llama-family MLPs (`SWIGLU_FORWARDS`) get `RecomputedSwiGLU` mixed into their class: in training
+    they hold two of their four intermediate activations (`_SwiGLUDownFn`).
     """
     if not onednn_available():
         return 0
