@@ -7,9 +7,9 @@ prefix and the earlier tokens of its own row (`_prefix_once_forward`). The gradi
 suffix's attention reads the one prefix pass. On the calculator task this removes about 70% of the
 training tokens (docs/benchmarks.md). An earlier version ran the prefix with a KV cache copied to every
 row and the suffixes right-padded to the longest: on the demo's micro-batches 40% of the suffix
-positions were padding, and the copies and padding held a third more activations for backward than
-the one sequence does, for no fewer FLOPs (CPU SDPA's flash kernel takes the mask and saves only its
-output and log-sum-exp). The one sequence also works where a cache cannot carry the prefix: with
+positions were padding; on one of its micro-batches the one sequence holds a third less for backward
+and runs faster (CPU SDPA's flash kernel takes the mask and holds only its output and log-sum-exp;
+docs/benchmarks.md). The one sequence also works where a cache cannot carry the prefix: with
 activation checkpointing (transformers drops the cache inside checkpointed layers) and under FSDP2
 (a layer's gathered weights are freed after each forward call).
 
@@ -18,7 +18,8 @@ position ids restart at 0 at every row, which transformers turns into a block-di
 (its "packed sequence" detection). On CPU the masked attention over a packed sequence is dense, so
 keep `max_tokens` near a row's length there (1024 by default).
 
-Bins are filled first-fit-decreasing by the tokens they will actually compute.
+A run of rows sharing a prefix is cut into consecutive bins, as few as filling makes but even
+(`_balanced_cut`); the other rows are packed first-fit-decreasing, both by the tokens they will compute.
 
 Rows with images (a vision-language model) are compared by their keys, the ids with each placeholder
 standing for its image's digest, and every forward starts from the same input embeddings with the vision
