@@ -86,7 +86,7 @@ def vlm(request):
     return request.getfixturevalue("tiny_vlm")(request.param)
 
 
-def test_image_trajectories_are_token_exact_in_rollout_and_training(vlm, monkeypatch):
+def test_image_trajectories_are_token_exact_in_rollout_and_training(vlm):
     model, processor = vlm
     token = image_token_id(model)
     tasks = [{"seed": 1}, {"seed": 2}]  # the same text, different pictures
