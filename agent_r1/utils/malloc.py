@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import gc
 import os
 import sys
@@ -26,12 +27,10 @@ THRESHOLD_BYTES = 4 << 20
 
 def fix_mmap_threshold(threshold: int = THRESHOLD_BYTES) -> bool:
     """Set glibc's mmap threshold (which also stops its dynamic growth); True if it was set."""
-    if not sys.platform.startswith("linux"):
-        return False
+    libc = _libc()
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
-    except (OSError, AttributeError):  # not glibc
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold)) if libc else False
+    except AttributeError:  # not glibc
         return False
 
 
@@ -56,9 +55,20 @@ def trim_heap() -> None:
     Why between micro-batches: a micro-batch's activations below the 4 MB mmap threshold ([T, hidden]
     states) come from the heaps, and the next micro-batch, a few tokens longer or shorter, cannot reuse
     all of those blocks, so without it the RSS of each forward starts higher than the last one's."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):  # not glibc
-            ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    if libc := _libc():
+        with contextlib.suppress(AttributeError):  # not glibc
+            libc.malloc_trim(0)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library on Linux, looked up once (trim_heap runs after every micro-batch); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
 
 
 def _rss() -> int:
