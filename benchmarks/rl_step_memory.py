@@ -4,7 +4,7 @@
 
 Runs the trainer in this process with the given config and overrides, wrapping the functions that mark a
 step's phases (rollout, reference log-probs, each micro-batch's forward and backward, the optimizer step,
-the checkpoint) so that every RSS sample is attributed to the phase it fell in. Prints each phase's peak
+the checkpoint, validation) so that every RSS sample is attributed to the phase it fell in. Prints each phase's peak
 and time, and the step times the trainer logged. Linux only (it reads /proc/self/statm).
 """
 
@@ -24,6 +24,7 @@ from agent_r1.cli import quiet_third_party
 from agent_r1.config import load_config
 from agent_r1.trainer import rl, update
 from agent_r1.trainer.config import TrainConfig
+from agent_r1.trainer.validation import Validator
 from agent_r1.utils.malloc import fix_mmap_threshold
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -85,6 +86,7 @@ def main() -> None:
     p.wrap(rl, "fill_ref_logprobs", "reference")
     p.wrap(rl, "recompute_old_logprobs", "old log-probs")
     p.wrap(rl, "save_checkpoint", "checkpoint")
+    p.wrap(Validator, "__call__", "validation")
     forward = update.token_logprobs
 
     def traced_forward(model, mb, *args, **kwargs):  # the micro-batch's size in the phase name of its forward

@@ -25,6 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# Entries in each of oneDNN's caches of prepared products: its primitive cache and ideep's computation
+# cache (env ONEDNN_PRIMITIVE_CACHE_CAPACITY, LRU_CACHE_CAPACITY; both 1,024 by default, read when
+# first used). Why: an entry is a product's shape (rows x weight), and each holds ~0.2-0.5 MB. The rows
+# change with every training micro-batch and decode step, so at their default capacity the two caches
+# grew a training process by ~0.4 GB over its first RL steps (docs/benchmarks.md). Making a product
+# again costs little beside computing it: 64 entries changed no timing we measured, and the same
+# shape always gets the same kernel, so no result changes.
+ONEDNN_CACHE_ENTRIES = 64
+
 
 def onednn_available() -> bool:
     """oneDNN's linear op exists (an x86 PyTorch build with mkldnn) and the user has not opted out."""
@@ -110,61 +119,120 @@ class _SwiGLUDownFn(torch.autograd.Function):
         return torch.ops.aten.silu_backward(grad_h * up, gate), grad_h * act, grad_w, grad_b
 
 
-# the forward bodies of the MLPs whose activations `_SwiGLUDownFn` holds fewer of (Llama, Qwen 2/3, Mistral, ...)
-_SWIGLU = "self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"
-SWIGLU_FORWARDS = ([f"return {_SWIGLU}"], [f"down_proj = {_SWIGLU}", "return down_proj"])
+class _RMSNormScaleFn(torch.autograd.Function):
+    """weight * (x * r), holding x and r ([..., 1]) for backward, not the normalised x * r.
+
+    Why: autograd through transformers' Llama-family RMSNorm holds x, r = rsqrt(mean(x^2) + eps) and the
+    normalised x * r (for the weight's gradient) besides the output that the next linear layers hold:
+    one more [T, hidden] tensor a norm, two a decoder layer. x * r is one multiplication to redo in
+    backward. Only the two multiplications are one node here; x^2, its mean and the rsqrt stay autograd's,
+    so x's gradients arrive in the order they do without it, and every gradient is autograd's to the bit
+    (the same ops on the same values: tests/models/test_onednn.py)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, r, weight)
+        return weight * (x * r)  # [..., hidden]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, r, weight = ctx.saved_tensors
+        grad_n = grad * weight  # [..., hidden]
+        grad_w = None
+        if ctx.needs_input_grad[2]:  # summed over the leading dimensions, as autograd's sum_to does
+            grad_w = (grad * (x * r)).sum(tuple(range(grad.dim() - 1)), keepdim=True).view(weight.shape)
+        return grad_n * r, (grad_n * x).sum(-1, keepdim=True), grad_w
 
 
-class RecomputedSwiGLU:
-    """Mixed into a Llama-family MLP class whose forward is one of `SWIGLU_FORWARDS`, with a SiLU: while
-    training in fp32 on the CPU with a plain (not LoRA-wrapped) `down_proj`, the forward is
-    `_SwiGLUDownFn`; otherwise the class's own. Copies and pickles are of the original class (the
-    rollout copies never train)."""
+def _trains_in_fp32_on_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A training forward in fp32 on the CPU (not under bf16 autocast): where the mixins take over."""
+    return (
+        torch.is_grad_enabled()
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and x.device.type == "cpu"
+        and not torch.is_autocast_enabled("cpu")
+    )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        down = self.down_proj
-        if (
-            type(down) is OneDNNLinear
-            and torch.is_grad_enabled()
-            and x.dtype == torch.float32
-            and down.weight.dtype == torch.float32
-            and x.device.type == "cpu"
-            and not torch.is_autocast_enabled("cpu")
-        ):
-            return _SwiGLUDownFn.apply(self.gate_proj(x), self.up_proj(x), down.weight, down.bias)
-        return super().forward(x)
+
+class _Recomputed:
+    """Base of the mixins: copies and pickles are of the original class (the rollout's copies never
+    train, and Ray ships CPU copies)."""
 
     def __reduce_ex__(self, protocol):
         return _as_class, (self.__class__.__bases__[1], self.__dict__)
 
 
+class RecomputedSwiGLU(_Recomputed):
+    """Mixed into a Llama-family MLP class whose forward is one of `SWIGLU_FORWARDS`, with a SiLU: while
+    training in fp32 on the CPU with a plain (not LoRA-wrapped) `down_proj`, the forward is
+    `_SwiGLUDownFn`; otherwise the class's own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        down = self.down_proj
+        if type(down) is OneDNNLinear and _trains_in_fp32_on_cpu(x, down.weight):
+            return _SwiGLUDownFn.apply(self.gate_proj(x), self.up_proj(x), down.weight, down.bias)
+        return super().forward(x)
+
+
+class LeanRMSNorm(_Recomputed):
+    """Mixed into a Llama-family RMSNorm class whose forward is `RMSNORM_FORWARD`: while training in fp32
+    on the CPU its scaling is `_RMSNormScaleFn`; otherwise the class's own forward."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if _trains_in_fp32_on_cpu(hidden_states, self.weight):
+            variance = hidden_states.pow(2).mean(-1, keepdim=True)  # [..., 1]
+            return _RMSNormScaleFn.apply(hidden_states, torch.rsqrt(variance + self.variance_epsilon), self.weight)
+        return super().forward(hidden_states)
+
+
 def _as_class(cls: type, state: dict) -> nn.Module:
-    """An object of `cls` with `state` (how `RecomputedSwiGLU` modules copy and pickle)."""
+    """An object of `cls` with `state` (how the mixins' modules copy and pickle)."""
     obj = cls.__new__(cls)
     obj.__setstate__(state)
     return obj
 
 
-_SWIGLU_CLASSES: dict[type, type] = {}
+# the forward bodies that the mixins stand in for (Llama, Qwen 2/3, Mistral, SmolLM2, ...)
+_SWIGLU = "self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"
+SWIGLU_FORWARDS = ([f"return {_SWIGLU}"], [f"down_proj = {_SWIGLU}", "return down_proj"])
+RMSNORM_FORWARD = [
+    "input_dtype = hidden_states.dtype",
+    "hidden_states = hidden_states.to(torch.float32)",
+    "variance = hidden_states.pow(2).mean(-1, keepdim=True)",
+    "hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)",
+    "return self.weight * hidden_states.to(input_dtype)",
+]
+_MIXED: dict[tuple[type, type], type | None] = {}  # (mixin, class) -> the mixed class; None: another forward
 
 
-def _recomputed_swiglu(module: nn.Module) -> bool:
-    """Mix `RecomputedSwiGLU` into `module`'s class if its forward is the SwiGLU one; True if it was."""
-    from transformers.activations import SiLUActivation  # here: benchmarks/kernels.py is "kernels" to transformers
-
-    cls, act = type(module), getattr(module, "act_fn", None)
-    if isinstance(module, RecomputedSwiGLU) or not isinstance(act, nn.SiLU | SiLUActivation):
-        return False
-    if cls not in _SWIGLU_CLASSES:
+def _mix_in(module: nn.Module, mixin: type, forwards: tuple[list[str], ...]) -> bool:
+    """Mix `mixin` into `module`'s class if the class's forward body is one of `forwards`; True if it was."""
+    cls = type(module)
+    if (mixin, cls) not in _MIXED:
         try:
             lines = [line.strip() for line in inspect.getsource(cls.forward).splitlines()[1:]]
         except (OSError, TypeError):
-            return False
-        if [line for line in lines if line] not in SWIGLU_FORWARDS:
-            return False
-        _SWIGLU_CLASSES[cls] = type(cls.__name__, (RecomputedSwiGLU, cls), {"__module__": cls.__module__})
-    module.__class__ = _SWIGLU_CLASSES[cls]
+            lines = []
+        same = [line for line in lines if line] in forwards
+        _MIXED[mixin, cls] = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__}) if same else None
+    if _MIXED[mixin, cls] is None:
+        return False
+    module.__class__ = _MIXED[mixin, cls]
     return True
+
+
+def _recompute_in_backward(module: nn.Module) -> bool:
+    """Mix `RecomputedSwiGLU` into a SwiGLU MLP with a SiLU, or `LeanRMSNorm` into an RMSNorm; True if mixed."""
+    from transformers.activations import SiLUActivation  # here: benchmarks/kernels.py is "kernels" to transformers
+
+    if isinstance(module, _Recomputed):
+        return False
+    if isinstance(getattr(module, "act_fn", None), nn.SiLU | SiLUActivation):
+        return _mix_in(module, RecomputedSwiGLU, SWIGLU_FORWARDS)
+    if hasattr(module, "variance_epsilon") and isinstance(getattr(module, "weight", None), nn.Parameter):
+        return _mix_in(module, LeanRMSNorm, (RMSNORM_FORWARD,))
+    return False
 
 
 def use_onednn(model: nn.Module) -> int:
@@ -177,11 +245,17 @@ def use_onednn(model: nn.Module) -> int:
     prefill over 360 keys takes 33 ms instead of 81, with bitwise the same output (docs/benchmarks.md).
     On CUDA, SDPA falls back to its slow math kernel for GQA with a mask, so the default stays there.
 
-    Llama-family MLPs (`SWIGLU_FORWARDS`) get `RecomputedSwiGLU` mixed into their class: in training
-    they hold two of their four intermediate activations (`_SwiGLUDownFn`).
+    Llama-family MLPs (`SWIGLU_FORWARDS`) get `RecomputedSwiGLU` mixed into their class and RMSNorms
+    (`RMSNORM_FORWARD`) `LeanRMSNorm`: in training they hold two of their four intermediate activations
+    (`_SwiGLUDownFn`) and one of two (`_RMSNormScaleFn`).
+
+    It also bounds oneDNN's two caches of prepared products (`ONEDNN_CACHE_ENTRIES`), unless the
+    user set them.
     """
     if not onednn_available():
         return 0
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(name, str(ONEDNN_CACHE_ENTRIES))
     if not torch.cuda.is_available():
         os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     swapped = 0
@@ -190,5 +264,5 @@ def use_onednn(model: nn.Module) -> int:
             module.__class__ = OneDNNLinear
             swapped += 1
     for module in model.modules():
-        _recomputed_swiglu(module)
+        _recompute_in_backward(module)
     return swapped

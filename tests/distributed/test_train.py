@@ -51,29 +51,36 @@ def max_rel_diff(a: Path, b: Path) -> float:
 
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory, toy_dir) -> Path:
-    """A 4-step run of the toy task on 2 gloo processes."""
+    """A 5-step run of the toy task on 2 gloo processes."""
     run = tmp_path_factory.mktemp("two") / "run"
-    launch(train_args(toy_dir, run, "steps=4"), nproc=2)
+    launch(train_args(toy_dir, run, "steps=5"), nproc=2)
     return run
 
 
-def test_two_processes_train_the_single_process_run(tmp_path, toy_dir, two_process_run):
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory, toy_dir) -> Path:
+    """The same run in one process."""
+    run = tmp_path_factory.mktemp("one") / "run"
+    launch(train_args(toy_dir, run, "steps=5"), nproc=1)
+    return run
+
+
+def test_two_processes_train_the_single_process_run(tmp_path, two_process_run, one_process_run):
     """Same seeds per trajectory, rows split between the ranks, gradients summed: the 2-rank run samples
-    the same episodes and ends at the same weights (to fp32 rounding of 4 Adam steps)."""
-    launch(train_args(toy_dir, tmp_path / "one", "steps=4"), nproc=1)
-    one, two = metrics(tmp_path / "one"), metrics(two_process_run)
-    assert [m["step"] for m in two] == [1, 2, 3, 4]
+    the same episodes and ends at the same weights (to fp32 rounding of 5 Adam steps)."""
+    one, two = metrics(one_process_run), metrics(two_process_run)
+    assert [m["step"] for m in two] == [1, 2, 3, 4, 5]
     assert all(m["updates"] == 1 for m in two)
     for a, b in zip(one, two, strict=True):
         assert a["reward_mean"] == b["reward_mean"] and a["train_tokens"] == b["train_tokens"]
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
-    assert max_rel_diff(tmp_path / "one", two_process_run) < 1e-4
+    assert max_rel_diff(one_process_run, two_process_run) < 1e-4
     # `agent-r1 export` reassembles the sharded checkpoint in one process: the policy rank 0 exported
     assert main(["export", str(two_process_run), "--out", str(tmp_path / "exported")]) == 0
     assert max_rel_diff(tmp_path / "exported", two_process_run / "policy") == 0.0
-    state = json.loads((two_process_run / "checkpoints" / "step_000004" / "meta.json").read_text())
+    state = json.loads((two_process_run / "checkpoints" / "step_000005" / "meta.json").read_text())
     assert state["world_size"] == 2
-    assert sorted(p.name for p in (two_process_run / "checkpoints" / "step_000004" / "state").glob("*.distcp")) == [
+    assert sorted(p.name for p in (two_process_run / "checkpoints" / "step_000005" / "state").glob("*.distcp")) == [
         "__0_0.distcp", "__1_0.distcp",
     ]  # fmt: skip  # one shard file per rank
 
@@ -115,9 +122,12 @@ def _kill_job(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def test_a_killed_two_process_run_resumes_from_its_sharded_checkpoint_and_ends_the_same(tmp_path, toy_dir):
+def test_a_killed_two_process_run_resumes_from_its_sharded_checkpoint_and_ends_the_same(
+    tmp_path, toy_dir, two_process_run
+):
+    """Killed mid-step 3 and resumed, the run ends as the uninterrupted one (whose env steps did not sleep:
+    the sleep changes nothing else)."""
     slow = ["steps=5", "task.step_seconds=0.4"]  # ~1 s per step: a kill lands between two checkpoints
-    launch(train_args(toy_dir, tmp_path / "whole", *slow), nproc=2)
     run = tmp_path / "killed"
     proc = _run_until(train_args(toy_dir, run, *slow), run / "checkpoints" / "step_000002" / "meta.json")
     _kill_job(proc)  # torchrun and both ranks, mid-step 3
@@ -125,28 +135,31 @@ def test_a_killed_two_process_run_resumes_from_its_sharded_checkpoint_and_ends_t
     assert done and done[-1] < "step_000005", done  # really killed before the end
     resumed = launch(train_args(toy_dir, run, *slow), nproc=2)
     assert "resumed from" in resumed.stdout + resumed.stderr
-    whole, again = metrics(tmp_path / "whole"), metrics(run)
+    whole, again = metrics(two_process_run), metrics(run)
     assert [m["step"] for m in again] == [1, 2, 3, 4, 5]  # no step twice, none missing
     for a, b in zip(whole, again, strict=True):
         assert a["reward_mean"] == b["reward_mean"] and a["train_tokens"] == b["train_tokens"]
-    assert max_rel_diff(tmp_path / "whole", run) < 1e-6
+    assert max_rel_diff(two_process_run, run) < 1e-6
 
 
-def test_a_sharded_checkpoint_resumes_on_three_processes_and_not_on_one(tmp_path, toy_dir, two_process_run):
-    """DCP reshards the 2-rank checkpoint (weights and AdamW state) onto 3 ranks; the 5th step is the
-    one a single process takes. One process cannot read it: one line says how to resume."""
+def test_a_sharded_checkpoint_resumes_on_three_processes_and_not_on_one(
+    tmp_path, toy_dir, two_process_run, one_process_run
+):
+    """DCP reshards the 2-rank checkpoint of step 4 (weights and AdamW state) onto 3 ranks; the 5th step
+    is the one a single process takes. One process cannot read it: one line says how to resume."""
     run = tmp_path / "run"
     shutil.copytree(two_process_run, run)
+    for done in (run / "checkpoints" / "step_000005", run / "policy"):  # the run as it stood after step 4
+        shutil.rmtree(done)
     proc = launch(train_args(toy_dir, run, "steps=5"), nproc=1, check=False)
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()[-1:]
     assert "written by 2 training process(es), this run has 1: resume it under torchrun" in line
     launch(train_args(toy_dir, run, "steps=5"), nproc=3)
-    launch(train_args(toy_dir, tmp_path / "one", "steps=5"), nproc=1)
-    one, three = metrics(tmp_path / "one"), metrics(run)
+    one, three = metrics(one_process_run), metrics(run)
     assert [m["step"] for m in three] == [1, 2, 3, 4, 5]
     assert three[-1]["reward_mean"] == one[-1]["reward_mean"] and three[-1]["updates"] == 1
-    assert max_rel_diff(tmp_path / "one", run) < 1e-4
+    assert max_rel_diff(one_process_run, run) < 1e-4
     meta = json.loads((run / "checkpoints" / "step_000005" / "meta.json").read_text())
     assert meta["world_size"] == 3
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -11,7 +12,14 @@ from torch import nn
 from transformers import LlamaForCausalLM
 
 from agent_r1.models.lora import with_lora
-from agent_r1.models.onednn import OneDNNLinear, RecomputedSwiGLU, onednn_available, use_onednn
+from agent_r1.models.onednn import (
+    ONEDNN_CACHE_ENTRIES,
+    LeanRMSNorm,
+    OneDNNLinear,
+    RecomputedSwiGLU,
+    onednn_available,
+    use_onednn,
+)
 from agent_r1.trainer.config import LoraConfig
 from tests.conftest import make_tiny_llama
 
@@ -96,14 +104,20 @@ def test_opting_out_keeps_mkl(monkeypatch):
     assert not onednn_available() and use_onednn(layer) == 0 and type(layer) is nn.Linear
 
 
-def test_swiglu_mlps_hold_two_of_four_intermediates_with_the_same_gradients_to_the_bit():
-    """Llama's MLP under `use_onednn` holds gate and up for backward, not silu(gate) and the product
-    too; values and every gradient are bitwise those of autograd through the original MLP."""
+def test_swiglu_mlps_and_rmsnorms_hold_less_with_the_same_gradients_to_the_bit():
+    """Under `use_onednn` Llama's MLP holds gate and up for backward, not silu(gate) and the product
+    too, and its RMSNorm holds x, not the normalised x as well; values and every gradient are bitwise
+    those of autograd through the original modules."""
     torch.manual_seed(0)
     fast = make_tiny_llama(100)
     assert all(isinstance(m, RecomputedSwiGLU) for m in fast.modules() if type(m).__name__ == "LlamaMLP")
-    plain = copy.deepcopy(fast)  # copies are of the original MLP class (oneDNN linears kept)
-    assert not any(isinstance(m, RecomputedSwiGLU) for m in plain.modules())
+    norms = [m for m in fast.modules() if type(m).__name__ == "LlamaRMSNorm"]
+    assert norms and all(isinstance(m, LeanRMSNorm) for m in norms)
+    with torch.no_grad():  # weights other than ones: their product is part of what must match
+        for m in norms:
+            m.weight.normal_(1.0, 0.2)
+    plain = copy.deepcopy(fast)  # copies are of the original classes (oneDNN linears kept)
+    assert not any(isinstance(m, RecomputedSwiGLU | LeanRMSNorm) for m in plain.modules())
     ids = torch.randint(0, 100, (2, 12))
 
     def run(model):
@@ -117,19 +131,31 @@ def test_swiglu_mlps_hold_two_of_four_intermediates_with_the_same_gradients_to_t
     logits_plain, held_plain, grads_plain = run(plain)
     assert torch.equal(logits, logits_plain)
     assert all(torch.equal(grads[n], g) for n, g in grads_plain.items())
-    cfg = fast.config
-    assert held_plain - held == 2 * ids.numel() * cfg.intermediate_size * cfg.num_hidden_layers
+    cfg, layers = fast.config, fast.config.num_hidden_layers
+    mlps = 2 * cfg.intermediate_size * layers  # silu(gate) and the product, a layer
+    rms = (2 * layers + 1) * cfg.hidden_size  # the normalised x, two norms a layer and the final one
+    assert held_plain - held == ids.numel() * (mlps + rms)
 
 
-def test_recomputed_swiglu_pickles_as_the_original_class_and_lora_falls_back():
+def test_the_mixins_pickle_as_the_original_classes_and_lora_falls_back():
     import pickle
 
     model = make_tiny_llama(100)
     back = pickle.loads(pickle.dumps(model))  # Ray ships CPU copies of the policy to its workers
-    assert type(back.model.layers[0].mlp).__name__ == "LlamaMLP" and not isinstance(
-        back.model.layers[0].mlp, RecomputedSwiGLU
-    )
+    layer = back.model.layers[0]
+    assert type(layer.mlp).__name__ == "LlamaMLP" and not isinstance(layer.mlp, RecomputedSwiGLU)
+    assert type(layer.input_layernorm).__name__ == "LlamaRMSNorm" and not isinstance(layer.input_layernorm, LeanRMSNorm)
     policy = with_lora(make_tiny_llama(100), LoraConfig(enabled=True, r=4, target_modules=["down_proj"]))
     ids = torch.randint(0, 100, (1, 10))
     policy(input_ids=ids).logits.sum().backward()  # a LoRA-wrapped down_proj: the class's own forward
     assert all(p.grad is not None for n, p in policy.named_parameters() if "lora_" in n and "down_proj" in n)
+
+
+def test_onednn_caches_are_bounded_unless_the_user_sized_them(monkeypatch):
+    """Each new product shape is an entry of oneDNN's caches (~0.2-0.5 MB); at their default 1,024 entries
+    they grew an RL run by ~0.4 GB. `use_onednn` sizes both, leaving a size the user chose."""
+    monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "512")
+    use_onednn(nn.Linear(4, 4))
+    assert os.environ["LRU_CACHE_CAPACITY"] == str(ONEDNN_CACHE_ENTRIES)
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "512"
