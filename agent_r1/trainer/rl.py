@@ -280,6 +280,7 @@ def train(
                 off_policy |= apply_tis(rows, cfg.algo.tis_cap)
 
             # 5. update -----------------------------------------------------------------------------
+            release_memory()  # what the reference pass freed (its weights, with reference_on_disk) goes back first
             update = policy_update(policy, critic, rows, optimizer, scheduler, params, cfg, step, dist)
             t3 = time.perf_counter()
 

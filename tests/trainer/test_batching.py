@@ -273,3 +273,35 @@ def test_a_run_is_cut_into_as_few_bins_as_filling_makes_but_even():
     # a token less: filling makes 6 + 2, still two bins, so again 4 + 4
     assert [len(mb.rows) for mb in pack(data, max_tokens=budget - 1)] == [4, 4]
     assert len(pack(data, max_tokens=40 + 3 * 11)) == 3  # fewer rows fit: 3 bins of at most 3
+
+
+def test_sdpa_keeps_one_float_mask_for_every_layer_with_the_booleans_results_to_the_bit(monkeypatch):
+    """In fp32 on the CPU the shared-prefix sequence's mask goes to SDPA as the float mask SDPA would make
+    of the booleans: one tensor held for backward by every layer instead of a copy per layer, with
+    log-probs and gradients bitwise those of the boolean mask."""
+    import agent_r1.trainer.batching as batching
+
+    torch.manual_seed(0)
+    model = tiny_model().train()
+    (mb,) = pack(rows()[:3], max_tokens=1000)
+    L = mb.prefix_len + sum(n - mb.prefix_len for n in mb.row_lens)  # the one sequence's length
+
+    def run():
+        masks = set()
+
+        def pack_hook(t):
+            if t.shape == (1, 1, L, L):
+                masks.add(t.untyped_storage().data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
+            logp, _, _ = token_logprobs(model, mb)
+        return logp, grads_of(model, (logp * torch.linspace(-1.0, 2.0, len(logp))).sum()), len(masks)
+
+    logp, grads, held = run()
+    original = batching._prefix_once_masks
+    monkeypatch.setattr(batching, "_prefix_once_masks", lambda *args: original(*args) == 0)  # its booleans
+    logp_b, grads_b, held_b = run()
+    assert held == 1 and held_b == model.config.num_hidden_layers
+    assert torch.equal(logp, logp_b)
+    assert all(torch.equal(grads[n], g) for n, g in grads_b.items())
