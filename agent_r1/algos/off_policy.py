@@ -30,7 +30,8 @@ def truncated_is_weights(
 
 def drift_metrics(old_logp: list[torch.Tensor], rollout_logp: list[torch.Tensor], masks: list[torch.Tensor]):
     """|trainer - rollout| log-prob of every sampled token: its mean and max (the consistency check)."""
-    d = torch.cat([(o - r)[m > 0].abs() for o, r, m in zip(old_logp, rollout_logp, masks, strict=True)])
+    parts = [(o - r)[m > 0].abs() for o, r, m in zip(old_logp, rollout_logp, masks, strict=True)]
+    d = torch.cat(parts) if parts else torch.zeros(0)  # no rows: every group of the step was left out
     if not d.numel():
         return {}
     return {"logprob_drift_mean": float(d.mean()), "logprob_drift_max": float(d.max())}

@@ -141,7 +141,7 @@ class SlotCache(Cache):
         super().__init__(layers=[_SlotLayer(self, i) for i in range(num_layers)])
         self.kv_heads, self.head_dim, self.device = kv_heads, head_dim, torch.device(device)
         self.buf: torch.Tensor | None = None  # [layers, 2, slots, kv_heads, capacity, head_dim]
-        self.dtype: torch.dtype | None = None  # that of the keys the model computes (set by the first forward)
+        self.dtype: torch.dtype | None = None  # that of the values the model computes (set by the first forward)
         self.clean = 0  # columns 0..clean-1 of every slot hold finite values
         # set by `packed` for one forward pass:
         self.slot_of: torch.Tensor | None = None  # [T] the slot of each token
@@ -239,11 +239,13 @@ class _SlotLayer(CacheLayerMixin):
         c = self.cache
         if c.slot_of is None:
             raise RuntimeError("a SlotCache is only read inside SlotCache.packed (with slot attention)")
-        if c.buf is None or key_states.dtype != c.dtype:  # autocast decides the dtype of the keys
-            c.reserve(c.slots, c.capacity, key_states.dtype)
+        # Under bf16 autocast the values are bf16 but the keys fp32 (RoPE's fp32 cos and sin promote
+        # them); SDPA rounds both to bf16 anyway, so the keys are stored in the values' dtype.
+        if c.buf is None or value_states.dtype != c.dtype:
+            c.reserve(c.slots, c.capacity, value_states.dtype)
         c.read_up_to(c.width)
         layer = c.buf[self.index]  # [2, slots, H, capacity, D]
-        layer[0][c.slot_of, :, c.cols] = key_states[0].transpose(0, 1)  # [T, H, D]
+        layer[0][c.slot_of, :, c.cols] = key_states[0].transpose(0, 1).to(c.dtype)  # [T, H, D]
         layer[1][c.slot_of, :, c.cols] = value_states[0].transpose(0, 1)
         return layer[0], layer[1]  # not kept on the layer: a view would keep the buffer alive after `release`
 

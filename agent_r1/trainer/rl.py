@@ -60,7 +60,7 @@ from agent_r1.rollout.agent_loop import AgentEnvLoop, correct, summarize
 from agent_r1.rollout.engine import engine_busy_s, full_state_dict
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.merge import merge_trajectory
-from agent_r1.rollout.producer import AsyncRollout, EngineGroups, GroupRunner, RolloutStalled
+from agent_r1.rollout.producer import STALL_GROUPS, AsyncRollout, EngineGroups, GroupRunner, RolloutStalled
 from agent_r1.rollout.remote_engine import RemoteEngine
 from agent_r1.rollout.vllm_engine import VLLMEngine, import_vllm
 from agent_r1.task import resolve_chat
@@ -194,6 +194,7 @@ def train(
     with progress_bar(console) as bar, dist.failure_report() as report, stop_producer:
         task_bar = bar.add_task("RL steps", total=cfg.steps, completed=start)
         rollout_engine = getattr(producer.runner, "engine", None) if producer else engine
+        errored_steps = 0  # steps in a row whose every episode errored
         for step in range(start, cfg.steps):
             t0, report.step = time.perf_counter(), step + 1
             busy = engine_busy_s(rollout_engine)  # seconds of forward passes so far (engines that count them)
@@ -220,6 +221,8 @@ def train(
             t1 = time.perf_counter()
 
             # 2. rewards: errored or empty episodes are not evidence about the policy: leave them out -----
+            if lockstep:  # the async producer stops on its own (AsyncRollout.take)
+                errored_steps = _errored_steps(trajs, errored_steps)
             kept = [i for i, t in enumerate(trajs) if t.steps and t.termination != Termination.ERROR]
             train_trajs = [trajs[i] for i in kept]
             rewards = step_rewards(
@@ -383,6 +386,20 @@ def _group_runner(
     own = merged_copy(plain)
     engine = LocalEngine(own, tokenizer, **r.local_options(cfg.seed))
     return EngineGroups(engine, make_env, r.sampling(), cfg.seed)
+
+
+def _errored_steps(trajs: list[Trajectory], so_far: int) -> int:
+    """Count the lockstep steps in a row whose every episode errored: a broken engine or environment
+    gives nothing to learn from, so `STALL_GROUPS` of them stop the run with the last error, as a
+    stalled producer does in async mode, instead of training on nothing until `steps`."""
+    if not trajs or any(t.termination != Termination.ERROR for t in trajs):
+        return 0
+    if so_far + 1 >= STALL_GROUPS:
+        raise RolloutStalled(
+            f"the last {so_far + 1} steps' episodes all errored (the last: {trajs[-1].error}); stopping, the "
+            "checkpoints on disk are intact"
+        )
+    return so_far + 1
 
 
 def _take(producer: AsyncRollout | None, dist: Dist) -> tuple[list[Trajectory], dict[str, float]]:

@@ -24,6 +24,7 @@ def test_drift_is_measured_on_sampled_tokens_only():
     m = drift_metrics([torch.tensor([9.0, 1.0, 2.0])], [torch.tensor([0.0, 1.5, 1.0])], [torch.tensor([0.0, 1, 1])])
     assert m == pytest.approx({"logprob_drift_mean": 0.75, "logprob_drift_max": 1.0})
     assert drift_metrics([torch.zeros(2)], [torch.ones(2)], [torch.zeros(2)]) == {}
+    assert drift_metrics([], [], []) == {}  # a step whose every group was left out
 
 
 def test_recomputed_old_logprobs_replace_the_engines_and_tis_scales_advantages():

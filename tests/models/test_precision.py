@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 
 import pytest
 import torch
@@ -120,6 +121,11 @@ def test_the_lm_head_runs_in_fp32_under_bf16_autocast_and_large_logits_keep_thei
         assert model(torch.tensor([[5, 6, 7]])).logits.dtype == torch.float32
     stored_bf16 = make_tiny_llama(64, hidden=32).to(torch.bfloat16)  # inference weights in bf16: left alone
     assert type(set_precision(stored_bf16, "bf16").lm_head).__name__ != "Fp32Head"
+
+
+def test_the_cpu_suite_sees_no_gpu_wherever_it_runs():
+    """tests/conftest.py hides CUDA from every test not marked `gpu`, in this process and its children."""
+    assert resolve_device("auto") == torch.device("cpu") and os.environ["CUDA_VISIBLE_DEVICES"] == ""
 
 
 def test_rng_state_round_trip():

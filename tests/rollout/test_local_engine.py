@@ -6,10 +6,11 @@ import time
 import pytest
 import torch
 
+from agent_r1.models.precision import autocast, set_precision
 from agent_r1.rollout import local_engine
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
-from tests.conftest import recompute_logprobs
+from tests.conftest import make_tiny_llama, recompute_logprobs
 
 
 def gen(engine, prompts, **kw):
@@ -49,6 +50,25 @@ def test_sampled_logprobs_match_a_plain_forward(engine, tiny_model, tokenizer):
         for p, o in zip(prompts, outs, strict=True):
             ref = recompute_logprobs(tiny_model, p + o.token_ids, temperature)[len(p) - 1 :]
             assert (ref - torch.tensor(o.logprobs)).abs().max().item() < 1e-4
+
+
+def test_under_bf16_autocast_the_engine_samples_with_the_trainers_logprobs(tokenizer):
+    """`dtype=bf16` (autocast over fp32 weights): the values come out of their projection in bf16 but
+    RoPE's fp32 cos and sin make the keys fp32. The slot cache keeps both in bf16, as SDPA reads them
+    (it once refused the mixed pair: every episode errored on the GPU), and the sampled tokens'
+    log-probs are the trainer's forward under the same autocast."""
+    model = make_tiny_llama(len(tokenizer), eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id)
+    set_precision(model, "bf16")
+    engine = LocalEngine(model, tokenizer, seed=0)
+    prompts = prompts_of(tokenizer)
+    outs = gen(engine, prompts, max_new_tokens=16, temperature=1.0)
+    assert engine._cache.dtype == torch.bfloat16
+    with autocast(model):
+        drift = torch.cat(
+            [recompute_logprobs(model, p + o.token_ids)[len(p) - 1 :] - torch.tensor(o.logprobs)
+             for p, o in zip(prompts, outs, strict=True)]
+        ).abs()  # fmt: skip
+    assert all(len(o.token_ids) == 16 for o in outs) and float(drift.mean()) < 0.02
 
 
 def test_sampled_logprobs_are_as_exact_as_the_trainers_over_a_real_vocabulary():

@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from agent_r1.rollout.producer import RolloutStalled
 from agent_r1.trainer.checkpoint import latest_checkpoint
 from agent_r1.trainer.rl import train
 from agent_r1.types import Observation
@@ -292,13 +293,24 @@ def test_errored_episodes_are_counted_and_left_out_of_the_update(tmp_path, token
             assert trained == pytest.approx([a] * len(trained), abs=1e-5)
 
 
-def test_a_step_where_every_episode_errors_is_survived_and_reported(tmp_path, tokenizer):
-    class Down(LowIdEnv):
-        async def reset(self, task):
-            raise ConnectionError("down")
+class Down(LowIdEnv):
+    async def reset(self, task):
+        raise ConnectionError("down")
 
-    _, hist = run(toy_config(tmp_path, "steps=2"), tokenizer, env=Down)
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16 recomputes the old log-probs: of no rows here
+def test_a_step_where_every_episode_errors_is_survived_and_reported(tmp_path, tokenizer, dtype):
+    _, hist = run(toy_config(tmp_path, "steps=2", f"dtype={dtype}"), tokenizer, env=Down)
     assert [(h["termination/error"], h["updates"], h["trained_episodes"]) for h in hist] == [(1.0, 0, 0)] * 2
+
+
+def test_steps_in_a_row_whose_every_episode_errors_stop_the_run_with_the_last_error(tmp_path, tokenizer):
+    """A broken engine or environment gives nothing to learn from: the fourth such step in a row stops
+    the run, as a stalled async producer does, instead of running on to `steps` training nothing."""
+    match = r"the last 4 steps' episodes all errored \(the last: ConnectionError: down\); stopping"
+    with pytest.raises(RolloutStalled, match=match):
+        run(toy_config(tmp_path, "steps=9", "save_every=1"), tokenizer, env=Down)
+    assert json.loads((latest_checkpoint(tmp_path / "run") / "meta.json").read_text())["step"] == 3
 
 
 class OverflowEnv(LowIdEnv):
