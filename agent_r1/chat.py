@@ -25,6 +25,7 @@ from agent_r1.env.base import StepResult
 from agent_r1.env.prompt_format import PromptFormat, prompt_format_for
 from agent_r1.env.tool_calls import CALL_OPEN, extract_answer
 from agent_r1.env.tool_env import ToolEnv
+from agent_r1.env.tool_formats import ToolFormatName
 from agent_r1.models.loading import EXPORT_INFO, load_model, load_processor
 from agent_r1.models.precision import Device, Precision
 from agent_r1.models.vision import read_image
@@ -77,6 +78,9 @@ class ChatConfig:
     """sampling seed"""
     prompt_format: Literal["auto", "chat", "text"] = "auto"
     """chat template or plain text; auto = chat when the model has a template"""
+    tool_format: ToolFormatName = "auto"
+    """how the model writes tool calls: auto = its chat template's family (hermes, llama3_json, mistral,
+    mistral_args, qwen3_coder, harmony); hermes for a model without a template"""
 
     def __post_init__(self) -> None:
         self.tools = tuple(t.strip() for item in self.tools for t in item.split(",") if t.strip())
@@ -218,7 +222,7 @@ def session_prompt(cfg: ChatConfig, tokenizer: Any, chat: bool) -> ChatPrompt:
     spec = _chat_task(cfg)
     if spec is None:
         return ChatPrompt({t: BUILTIN_TOOLS[t] for t in cfg.tools or ("calculator",)}, cfg.system, [], None)
-    env = spec.env_factory(tokenizer, chat, cfg.max_turns)()
+    env = spec.env_factory(tokenizer, chat, cfg.max_turns, cfg.tool_format)()
     if not isinstance(env, ToolEnv):
         raise ValueError(f"task {spec.name!r} does not use a ToolEnv: chat needs tools and a system prompt")
     tools = dict(env.tools) | {t: BUILTIN_TOOLS[t] for t in cfg.tools}
@@ -241,7 +245,7 @@ def run_chat(cfg: ChatConfig, console: Console | None = None) -> None:
     prompt = session_prompt(cfg, processor, chat)
     engine = LocalEngine(model, tokenizer, seed=cfg.seed)
     session = ChatSession(
-        engine, prompt_format_for(processor, chat=chat), prompt.tools, cfg.sampling,
+        engine, prompt_format_for(processor, chat, cfg.tool_format), prompt.tools, cfg.sampling,
         instructions=prompt.instructions, examples=prompt.examples, max_tool_tokens=prompt.max_tool_tokens,
         max_turns=cfg.max_turns, seed=cfg.seed,
     )  # fmt: skip

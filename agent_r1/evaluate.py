@@ -17,6 +17,7 @@ from scipy import stats
 
 from agent_r1.data import Split
 from agent_r1.env.base import Env
+from agent_r1.env.tool_formats import ToolFormatName
 from agent_r1.models.loading import load_model, load_processor
 from agent_r1.models.precision import Device, Precision
 from agent_r1.observe.records import trajectory_records, write_records
@@ -49,6 +50,9 @@ class EvalConfig:
     """turn budget per episode"""
     prompt_format: Literal["auto", "chat", "text"] = "auto"
     """chat template or plain text; auto = chat when the model has a template"""
+    tool_format: ToolFormatName = "auto"
+    """how the model writes tool calls: auto = its chat template's family (hermes, llama3_json, mistral,
+    mistral_args, qwen3_coder, harmony); hermes for a model without a template"""
     temperature: float = 0.0
     """0 = greedy"""
     top_p: float = 1.0
@@ -84,7 +88,9 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str,
         raise ValueError(f"task {cfg.task.name!r} has no {cfg.split} tasks")
     model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     processor = load_processor(cfg.model) or tokenizer  # a vision-language model reads images through it
-    make_env = cfg.task.env_factory(processor, resolve_chat(cfg.prompt_format, processor, cfg.model), cfg.max_turns)
+    make_env = cfg.task.env_factory(
+        processor, resolve_chat(cfg.prompt_format, processor, cfg.model), cfg.max_turns, cfg.tool_format
+    )
     engine = LocalEngine(
         model, tokenizer, max_batch_size=cfg.max_batch_size, seed=cfg.seed, kv_cache_gb=cfg.kv_cache_gb
     )

@@ -117,8 +117,8 @@ class TaskSpec:
         """The first `n` tasks of one split."""
         return self.module.tasks(self.options, split, n, seed)
 
-    def env_factory(self, tokenizer: Any, chat: bool, max_turns: int) -> EnvFactory:
-        return EnvFactory(self.name, self.options, tokenizer, chat, max_turns)
+    def env_factory(self, tokenizer: Any, chat: bool, max_turns: int, tool_format: str = "auto") -> EnvFactory:
+        return EnvFactory(self.name, self.options, tokenizer, chat, max_turns, tool_format)
 
     @property
     def kind_key(self) -> str | None:
@@ -152,21 +152,25 @@ class EnvFactory:
     tokenizer: Any
     chat: bool
     max_turns: int
+    tool_format: str = "auto"  # the tool-call family (agent_r1.env.tool_formats): auto = the template's
 
     def __call__(self) -> Env:
-        fmt = prompt_format_for(self.tokenizer, chat=self.chat)
+        fmt = prompt_format_for(self.tokenizer, chat=self.chat, tool_format_name=self.tool_format)
         return load_task(self.task).make_env(self.options, fmt, self.max_turns)
 
     def __reduce__(self) -> tuple:
         """Pickled with the options as a plain dict, rebuilt from the task's own Options on the other side:
         a task loaded from a file has no importable module name in a fresh process, so its Options class
         cannot be pickled by reference."""
-        fields = (self.task, dataclasses.asdict(self.options), self.tokenizer, self.chat, self.max_turns)
-        return (_rebuild_factory, fields)
+        options = dataclasses.asdict(self.options)
+        return (_rebuild_factory, (self.task, options, self.tokenizer, self.chat, self.max_turns, self.tool_format))
 
 
-def _rebuild_factory(task: str, options: dict[str, Any], tokenizer: Any, chat: bool, max_turns: int) -> EnvFactory:
-    return EnvFactory(task, build(load_task(task).Options, options, prefix="task."), tokenizer, chat, max_turns)
+def _rebuild_factory(
+    task: str, options: dict[str, Any], tokenizer: Any, chat: bool, max_turns: int, tool_format: str
+) -> EnvFactory:
+    options_ = build(load_task(task).Options, options, prefix="task.")
+    return EnvFactory(task, options_, tokenizer, chat, max_turns, tool_format)
 
 
 def resolve_chat(prompt_format: str, tokenizer: Any, model_name: str | None = None) -> bool:

@@ -13,11 +13,15 @@ image was, so it is told rather than crashed.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any, Protocol
 
+import jinja2
+import jinja2.meta
 from transformers import PreTrainedTokenizerBase
 
+from agent_r1.env.tool_formats import ToolFormat, tool_format
 from agent_r1.models.vision import ImageEncoder, image_parts, text_only
 from agent_r1.types import Image, Message
 
@@ -28,6 +32,7 @@ NO_VISION = "[an image: this model reads text only]"  # what a text-only model s
 
 class PromptFormat(Protocol):
     stop: tuple[str, ...]  # stop strings the format needs (a base model would write the next turn)
+    tool_format: ToolFormat  # how the model writes tool calls (agent_r1.env.tool_formats)
 
     def initial(self, messages: list[Message]) -> list[int]:
         """Ids of a whole conversation, ending with the opening of an assistant turn."""
@@ -53,18 +58,32 @@ class ChatFormat:
 
     stop: tuple[str, ...] = ()
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, images: ImageEncoder | None = None) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, images: ImageEncoder | None = None, tool_format_name: str = "auto"
+    ) -> None:
         self.template = images.chat_template if images is not None else tokenizer.chat_template
         if not self.template:
             raise ValueError("tokenizer has no chat template: use TextFormat for base models")
         self.tokenizer = tokenizer
         self.encoder = images
+        self.tool_format = tool_format(self.template, tool_format_name)
+        # the template renders a `tools` list itself (Qwen, Llama 3, Mistral, gpt-oss, ...): `with_tools`
+        self.native_tools = "tools" in jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(self.template))
+        self.tools: list[dict[str, Any]] | None = None
+
+    def with_tools(self, schemas: list[dict[str, Any]]) -> ChatFormat:
+        """This format with the tools rendered by the template in every prompt it makes (the system
+        prompt or first user turn the model was trained with), as `apply_chat_template(tools=...)`."""
+        out = copy.copy(self)
+        out.tools = list(schemas)  # OpenAI-style: {"type": "function", "function": {...}} (Tool.schema)
+        return out
 
     def _render(self, messages: list[Message], generation_prompt: bool) -> str:
         messages = [self._prepare(m) for m in messages]
         return self.tokenizer.apply_chat_template(
-            messages, chat_template=self.template, add_generation_prompt=generation_prompt, tokenize=False
-        )
+            messages, chat_template=self.template, add_generation_prompt=generation_prompt, tokenize=False,
+            tools=self.tools,
+        )  # fmt: skip
 
     def _prepare(self, message: Message) -> Message:
         """A text-only model gets a note for each image; a VLM gets its image token out of text parts
@@ -104,12 +123,22 @@ class ChatFormat:
         return self._encode(self._render(messages, generation_prompt=True), self.images(messages))
 
     def continuation(self, messages: list[Message], after_eos: bool) -> list[int]:
-        probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
-        text = self._render(probe + messages, generation_prompt=True)
+        try:
+            probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
+            text = self._render(probe + messages, generation_prompt=True)
+        except jinja2.TemplateError:  # gpt-oss: a tool result must follow an assistant turn that called it
+            name = next((m.get("name") for m in messages if m["role"] == "tool"), None)
+            if name is None:
+                raise
+            call = {"type": "function", "function": {"name": name, "arguments": _MARK}}
+            probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+            text = self._render(probe + messages, generation_prompt=True)
         delta = text[text.index(_MARK) + len(_MARK) :]
         eos = self.tokenizer.eos_token or ""
         if after_eos and eos and delta.startswith(eos):  # the model already sampled the end-of-turn token
             delta = delta[len(eos) :]
+        for end in self.tool_format.stop:  # a call turn ends with its stop string, which the model wrote
+            delta = delta.removeprefix(end)
         return self._encode(delta, self.images(messages))
 
 
@@ -117,9 +146,11 @@ class TextFormat:
     """Plain text for base models: `System\\n\\nUser: ...\\nAssistant: ...` turns."""
 
     stop: tuple[str, ...] = ("\nUser:",)
+    native_tools = False
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, tool_format_name: str = "auto") -> None:
         self.tokenizer = tokenizer
+        self.tool_format = tool_format(None, tool_format_name)  # auto: hermes (a base model has no format)
 
     def images(self, messages: list[Message]) -> list[Image]:
         return []  # base models here read text only: an image is a note (NO_VISION)
@@ -146,13 +177,14 @@ class TextFormat:
         return self.tokenizer.encode("\n" + self._turns(messages), add_special_tokens=False)
 
 
-def prompt_format_for(tokenizer: Any, chat: bool | None = None) -> PromptFormat:
+def prompt_format_for(tokenizer: Any, chat: bool | None = None, tool_format_name: str = "auto") -> PromptFormat:
     """ChatFormat when the model has a chat template (or `chat=True`), else TextFormat. `tokenizer` may
-    be a vision-language model's processor (`load_processor`): then the ChatFormat reads images."""
+    be a vision-language model's processor (`load_processor`): then the ChatFormat reads images.
+    `tool_format_name`: the tool-call family, "auto" for the template's own."""
     images = None
     if getattr(tokenizer, "image_processor", None) is not None:  # a processor: its tokenizer and images
         if (images := _ENCODERS.get(tokenizer)) is None:  # one per processor: its prepared images are kept
             images = _ENCODERS[tokenizer] = ImageEncoder(tokenizer)
         tokenizer = tokenizer.tokenizer
     use_chat = bool((images and images.chat_template) or tokenizer.chat_template) if chat is None else chat
-    return ChatFormat(tokenizer, images) if use_chat else TextFormat(tokenizer)
+    return ChatFormat(tokenizer, images, tool_format_name) if use_chat else TextFormat(tokenizer, tool_format_name)

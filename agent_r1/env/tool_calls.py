@@ -87,14 +87,21 @@ def format_tool_responses(outputs: list[str], images: list[list[Any]] | None = N
     return parts
 
 
-def tools_system_prompt(schemas: list[dict], instructions: str = "") -> str:
-    """Hermes-style system prompt: the tool schemas and the exact call syntax."""
+def tools_system_prompt(schemas: list[dict], instructions: str = "", example: str | None = None) -> str:
+    """Hermes-style system prompt: the tool schemas and the exact call syntax (`example`: a call in
+    another family's syntax, for a model whose template does not render tools itself)."""
     listed = "\n".join(json.dumps(s, ensure_ascii=False) for s in schemas)
+    syntax = (
+        "To call a tool, write a JSON object inside <tool_call></tool_call> tags:\n"
+        '<tool_call>\n{"name": <tool-name>, "arguments": <arguments-object>}\n</tool_call>\n'
+        if example is None
+        else f"To call a tool, write the call exactly as in this example:\n{example}\n"
+    )
     return (
         (instructions.strip() + "\n\n" if instructions.strip() else "")
         + "You can call tools. Their signatures are inside <tools></tools>:\n<tools>\n"
         + listed
-        + "\n</tools>\nTo call a tool, write a JSON object inside <tool_call></tool_call> tags:\n"
-        + '<tool_call>\n{"name": <tool-name>, "arguments": <arguments-object>}\n</tool_call>\n'
+        + "\n</tools>\n"
+        + syntax
         + "Each result comes back inside <tool_response></tool_response> tags."
     )

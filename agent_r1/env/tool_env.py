@@ -1,10 +1,11 @@
 """`ToolEnv`: a multi-turn environment where the model calls tools until it answers.
 
-Each step parses the hermes tool calls of the response, runs them concurrently, and returns the next
-prompt as token ids: by default the previous prompt + the sampled ids + the tokenized tool results
-(so steps merge into one training row), or, when a `rewrite` function is given, a freshly rendered
-context the task chose (summarised, truncated, ...). The episode ends when the model answers (an
-`<answer>` tag, or a turn with no tool call) or when the turn budget runs out.
+Each step parses the tool calls of the response (in the model family's syntax: `tool_formats`), runs
+them concurrently, and returns the next prompt as token ids: by default the previous prompt + the
+sampled ids + the tokenized tool results (so steps merge into one training row), or, when a `rewrite`
+function is given, a freshly rendered context the task chose (summarised, truncated, ...). The episode
+ends when the model answers (an `<answer>` tag, or a turn with no tool call) or when the turn budget
+runs out.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from transformers import PreTrainedTokenizerBase
 from agent_r1.env.base import StepResult
 from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.env.tool_calls import (
+    ParsedCall,
     ParseError,
     extract_answer,
     format_tool_responses,
-    parse_tool_calls,
     tools_system_prompt,
 )
 from agent_r1.models.vision import text_only
@@ -44,7 +45,7 @@ Potential = Callable[[dict[str, Any], list[dict[str, Any]]], float]
 
 
 class ToolEnv:
-    """Hermes tool calling over any prompt format; one instance per episode."""
+    """Tool calling over any prompt format, in the model family's syntax; one instance per episode."""
 
     def __init__(
         self,
@@ -67,10 +68,17 @@ class ToolEnv:
         if max_tool_tokens is not None and max_tool_tokens < 1:
             raise ValueError(f"max_tool_tokens must be >= 1, got {max_tool_tokens}")
         self.tools = dict(tools)
-        self.format = prompt_format
+        self.schemas = {name: t.schema for name, t in self.tools.items()}
+        self.calls = prompt_format.tool_format  # the syntax the model writes its calls in
+        # a template that renders tools itself gets them through apply_chat_template(tools=...), and the
+        # results as "tool" messages; otherwise our hermes-style system prompt and <tool_response> turns
+        self.native = prompt_format.native_tools and self.tools
+        self.format = prompt_format.with_tools(list(self.schemas.values())) if self.native else prompt_format
         self.reward_fn = reward_fn
         self.instructions = instructions
-        self.system = tools_system_prompt([t.schema for t in self.tools.values()], instructions)
+        example = None if self.calls.name == "hermes" else self.calls.format_call("tool_name", {"argument": "value"})
+        listed = list(self.schemas.values())
+        self.system = instructions if self.native else tools_system_prompt(listed, instructions, example)
         self.examples = list(examples or [])
         self.max_turns = max_turns
         self.rewrite = rewrite
@@ -81,13 +89,14 @@ class ToolEnv:
         # nothing, which a per-turn format reward would otherwise pay for
         self.call_error_reward = call_error_reward
         self.max_images = max_images  # images one context may hold (a VLM's limit): more become a note
-        self.stop = ("</tool_call>", *prompt_format.stop)
+        self.stop = (*self.calls.stop, *prompt_format.stop)
 
     @property
     def prompt_prefix(self) -> list[Message]:
         """What every episode's prompt starts with: system (tools + instructions) and examples.
         SFT demonstrations use it too, so cold start and RL see the same prompt."""
-        return [{"role": "system", "content": self.system}, *self.examples]
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return [*system, *self.examples]
 
     async def reset(self, task: dict[str, Any]) -> Observation:
         """First prompt: system (tools) + few-shot examples + the task's question or messages."""
@@ -111,7 +120,7 @@ class ToolEnv:
         self.turn += 1
         self.responses.append(action.text)
         self.messages.append({"role": "assistant", "content": action.text})
-        parsed = parse_tool_calls(action.text)
+        parsed = self.calls.parse(action.text, self.schemas)
         # an answer tag, or a base model starting the next user turn ("\nUser:"), ends the episode
         answered = extract_answer(action.text) is not None or any(action.text.endswith(s) for s in self.format.stop)
         info: dict[str, Any] = {
@@ -131,7 +140,7 @@ class ToolEnv:
         info["tool_calls"] = sum(1 for p in parsed if not isinstance(p, ParseError))
         info["format_errors"] = sum(1 for p in parsed if isinstance(p, ParseError))
         info["tool_errors"] = dict(errors)
-        tool_turn = [{"role": "user", "content": format_tool_responses(outputs, shown)}]
+        tool_turn = self._results_turn(parsed, outputs, shown)
         self.messages.extend(tool_turn)
         if self.rewrite is None:
             self.context = (
@@ -152,6 +161,18 @@ class ToolEnv:
         if self.call_error_reward and mistakes:
             reward = (reward or 0.0) + self.call_error_reward * mistakes
         return StepResult(self._observation(), reward, False, info)
+
+    def _results_turn(self, parsed: list, outputs: list[str], shown: list[list[Any]]) -> list[Message]:
+        """The results as the template expects them: a "tool" message per call where it renders tools
+        itself (ids of 9 letters and digits, as Mistral's templates require), else one user turn of
+        <tool_response> blocks (also for images, which "tool" messages do not carry everywhere)."""
+        if not self.native or any(shown):
+            return [{"role": "user", "content": format_tool_responses(outputs, shown)}]
+        names = [p.name if isinstance(p, ParsedCall) else "error" for p in parsed]
+        return [
+            {"role": "tool", "name": name, "tool_call_id": f"c{self.turn:04d}{i:04d}", "content": out}
+            for i, (name, out) in enumerate(zip(names, outputs, strict=True))
+        ]
 
     def _state(self) -> str:
         """The env's state for GiGPO's step groups: a digest of every tool response shown so far (the

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from agent_r1.algos.advantages import GROUP_ESTIMATORS
+from agent_r1.env.tool_formats import ToolFormatName
 from agent_r1.models.lora import LoraConfig
 from agent_r1.models.precision import TORCH_DTYPES, Device, Precision
 from agent_r1.observe.health import HealthConfig
@@ -222,6 +223,9 @@ class TrainConfig:
     """calculator, gsm8k, hotpotqa, or an import path (my_pkg.my_task); its options: task.KEY=VALUE"""
     prompt_format: Literal["auto", "chat", "text"] = "auto"
     """chat template or plain text; auto = chat when the model has a template"""
+    tool_format: ToolFormatName = "auto"
+    """how the model writes tool calls: auto = its chat template's family (hermes, llama3_json, mistral,
+    mistral_args, qwen3_coder, harmony); hermes for a model without a template"""
     device: Device = "auto"
     """where the model runs: auto = cuda when a GPU is visible, else cpu"""
     dtype: Precision = "fp32"

@@ -149,7 +149,7 @@ def train(
     # --- task: training tasks, the env factory, validation -------------------------------------------
     chat = resolve_chat(cfg.prompt_format, processor, chat_hint)
     own_task = make_env is None  # the config's task (not an env passed in) is what the policy learns
-    make_env = make_env or cfg.task.env_factory(processor, chat, cfg.rollout.max_turns)
+    make_env = make_env or cfg.task.env_factory(processor, chat, cfg.rollout.max_turns, cfg.tool_format)
     sampler = TaskSampler(tasks if tasks is not None else cfg.task.tasks("train", 4096, cfg.seed), cfg.seed)
     info = policy_info(cfg.model, chat, cfg.task.to_raw() if own_task else None)
     validator = None

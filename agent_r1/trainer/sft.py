@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from agent_r1.config import to_dict
 from agent_r1.env.prompt_format import PromptFormat
+from agent_r1.env.tool_formats import ToolFormatName
 from agent_r1.models.loading import load_model, load_processor, place_model
 from agent_r1.models.lora import LoraConfig, with_lora
 from agent_r1.models.precision import Device, Precision, model_device
@@ -52,6 +53,9 @@ class SFTConfig:
     """demonstrations to train on (from the training split)"""
     prompt_format: Literal["auto", "chat", "text"] = "auto"
     """chat template or plain text; auto = chat when the model has a template"""
+    tool_format: ToolFormatName = "auto"
+    """how the model writes tool calls: auto = its chat template's family (hermes, llama3_json, mistral,
+    mistral_args, qwen3_coder, harmony); hermes for a model without a template"""
     epochs: int = 2
     """passes over the demonstrations"""
     batch_size: int = 16
@@ -126,7 +130,7 @@ def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any 
     chat = resolve_chat(cfg.prompt_format, processor, chat_hint)
 
     # the prompt prefix RL and eval will use: system (tools + instructions) and optional example
-    env = cfg.task.env_factory(processor, chat, max_turns=1)()
+    env = cfg.task.env_factory(processor, chat, 1, cfg.tool_format)()
     rows = []
     for demo in cfg.task.module.demos(cfg.task.options, env, cfg.num_examples, cfg.seed):
         seq = demo_to_sequence(demo, env.prompt_prefix, env.format, tokenizer)
