@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import re
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -23,16 +24,19 @@ from transformers import PreTrainedTokenizerBase
 from agent_r1.env.base import StepResult
 from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.env.tool_calls import (
+    CALL_OPEN,
     ParsedCall,
     ParseError,
     extract_answer,
     format_tool_responses,
+    parse_tool_calls,
     tools_system_prompt,
 )
 from agent_r1.models.vision import text_only
 from agent_r1.tools import Tool, execute_tool_call
 from agent_r1.types import Action, Message, Observation, Termination
 
+_RESPONSE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.DOTALL)  # format_tool_responses' blocks
 # tool-call errors that are the model's mistake (not a tool's or a backend's failure): `call_error_reward`
 MODEL_ERRORS = frozenset({"parse_error", "unknown_tool", "invalid_arguments"})
 
@@ -96,7 +100,33 @@ class ToolEnv:
         """What every episode's prompt starts with: system (tools + instructions) and examples.
         SFT demonstrations use it too, so cold start and RL see the same prompt."""
         system = [{"role": "system", "content": self.system}] if self.system else []
-        return [*system, *self.examples]
+        return [*system, *self.in_model_format(self.examples)]
+
+    def in_model_format(self, messages: list[Message]) -> list[Message]:
+        """Messages written as tasks write demonstrations and examples (hermes `<tool_call>` blocks in the
+        assistant's text, results as a user turn of `<tool_response>` blocks), in the form this env's
+        model is trained on: its family's call syntax (`ToolFormat.write_turn`), and results as "tool"
+        messages where its template renders them. Unchanged for hermes without native tools."""
+        if self.calls.name == "hermes" and not self.native:
+            return list(messages)
+        out: list[Message] = []
+        names: list[str] = []  # the calls of the last assistant turn
+        for m in messages:
+            content = m.get("content")
+            outputs = _RESPONSE.findall(content) if m["role"] == "user" and isinstance(content, str) else []
+            if m["role"] == "assistant" and isinstance(content, str) and CALL_OPEN in content:
+                calls = [(c.name, c.arguments) for c in parse_tool_calls(content) if isinstance(c, ParsedCall)]
+                names = [name for name, _ in calls]
+                if self.calls.name != "hermes":
+                    prose = content[: content.index(CALL_OPEN)].strip()
+                    m = {**m, "content": self.calls.write_turn(prose, calls)}
+                out.append(m)
+            elif self.native and names and len(outputs) == len(names):
+                out += self._tool_messages(names, outputs, turn=len(out))
+                names = []
+            else:
+                out.append(m)
+        return out
 
     async def reset(self, task: dict[str, Any]) -> Observation:
         """First prompt: system (tools) + few-shot examples + the task's question or messages."""
@@ -169,8 +199,12 @@ class ToolEnv:
         if not self.native or any(shown):
             return [{"role": "user", "content": format_tool_responses(outputs, shown)}]
         names = [p.name if isinstance(p, ParsedCall) else "error" for p in parsed]
+        return self._tool_messages(names, outputs, self.turn)
+
+    @staticmethod
+    def _tool_messages(names: list[str], outputs: list[str], turn: int) -> list[Message]:
         return [
-            {"role": "tool", "name": name, "tool_call_id": f"c{self.turn:04d}{i:04d}", "content": out}
+            {"role": "tool", "name": name, "tool_call_id": f"c{turn:04d}{i:04d}", "content": out}
             for i, (name, out) in enumerate(zip(names, outputs, strict=True))
         ]
 

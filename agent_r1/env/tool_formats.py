@@ -224,6 +224,31 @@ def format_harmony(name: str, arguments: Any) -> str:
 # -- the families ----------------------------------------------------------------------------------------
 
 
+Calls = list[tuple[str, Any]]  # (name, arguments) of each call of one turn
+
+
+def _prose_then_calls(format_call: Callable[[str, Any], str]) -> Callable[[str, Calls], str]:
+    def write(content: str, calls: Calls) -> str:
+        return "\n".join([content] * bool(content) + [format_call(n, a) for n, a in calls])
+
+    return write
+
+
+def _llama3_turn(content: str, calls: Calls) -> str:
+    """Llama 3 writes a call turn as the call alone: the prose goes."""
+    return "; ".join(format_llama3_json(n, a) for n, a in calls)
+
+
+def _mistral_turn(content: str, calls: Calls) -> str:
+    return content + f"{TOOL_CALLS}[" + ", ".join(_dumps({"name": n, "arguments": a}) for n, a in calls) + "]"
+
+
+def _harmony_turn(content: str, calls: Calls) -> str:
+    """The prose as the analysis channel, then each call as a commentary message."""
+    thought = f"<|channel|>analysis<|message|>{content}<|end|><|start|>assistant" if content else ""
+    return thought + "<|start|>assistant".join(format_harmony(n, a) for n, a in calls)
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     """One family's tool-call syntax."""
@@ -231,6 +256,7 @@ class ToolFormat:
     name: str
     parse: Callable[[str, Schemas | None], Parsed]
     format_call: Callable[[str, Any], str]
+    write_turn: Callable[[str, Calls], str]  # an assistant turn: its prose, then its calls
     stop: tuple[str, ...] = field(default=())  # strings that end a call turn (beside the model's EOS)
 
 
@@ -241,12 +267,19 @@ def _hermes(text: str, schemas: Schemas | None = None) -> Parsed:
 TOOL_FORMATS: dict[str, ToolFormat] = {
     f.name: f
     for f in (
-        ToolFormat("hermes", _hermes, format_tool_call, (CALL_CLOSE,)),
-        ToolFormat("llama3_json", parse_llama3_json, format_llama3_json),
-        ToolFormat("mistral", parse_mistral, format_mistral),
-        ToolFormat("mistral_args", parse_mistral, format_mistral_args),
-        ToolFormat("qwen3_coder", parse_qwen3_coder, format_qwen3_coder, (CALL_CLOSE,)),
-        ToolFormat("harmony", parse_harmony, format_harmony, ("<|call|>",)),
+        ToolFormat("hermes", _hermes, format_tool_call, _prose_then_calls(format_tool_call), (CALL_CLOSE,)),
+        ToolFormat("llama3_json", parse_llama3_json, format_llama3_json, _llama3_turn),
+        ToolFormat("mistral", parse_mistral, format_mistral, _mistral_turn),
+        ToolFormat(
+            "mistral_args",
+            parse_mistral,
+            format_mistral_args,
+            lambda c, calls: c + "".join(format_mistral_args(*x) for x in calls),
+        ),
+        ToolFormat(
+            "qwen3_coder", parse_qwen3_coder, format_qwen3_coder, _prose_then_calls(format_qwen3_coder), (CALL_CLOSE,)
+        ),
+        ToolFormat("harmony", parse_harmony, format_harmony, _harmony_turn, ("<|call|>",)),
     )
 }
 

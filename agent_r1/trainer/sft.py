@@ -92,23 +92,26 @@ def demo_to_sequence(
     demo: list[Message], prefix: list[Message], fmt: PromptFormat, tokenizer: PreTrainedTokenizerBase
 ) -> TrainSequence:
     """One training row of a demonstration, laid out exactly as a rollout: prompt = `prefix` (system,
-    few-shot) + the question; a tool-call turn ends at `</tool_call>` (the stop string, no EOS), the final
-    answer with EOS; tool results enter through the format's continuation ids. The rollout path's own
+    few-shot) + the question; a tool-call turn ends at its format's stop string (`</tool_call>`, no EOS)
+    or, in families without one (Llama 3, Mistral), with EOS, as the model ends it; the final answer with
+    EOS; tool results enter through the format's continuation ids. The rollout path's own
     `merge_trajectory` then gives the loss mask: 1 on the assistant turns, 0 on prompt, markup and tools.
     """
     if len(demo) < 2 or demo[0]["role"] != "user" or demo[-1]["role"] != "assistant":
-        raise ValueError("a demonstration is [user, assistant, (tool result, assistant)...]")
+        raise ValueError("a demonstration is [user, assistant, (tool results, assistant)...]")
     context, images = fmt.initial([*prefix, demo[0]]), fmt.images([*prefix, demo[0]])
+    turns = [k for k, m in enumerate(demo) if m["role"] == "assistant"]
     steps = []
-    for k in range(1, len(demo), 2):
-        last = k == len(demo) - 1
+    for k, following in zip(turns, [*turns[1:], None], strict=True):
         ids = tokenizer.encode(demo[k]["content"], add_special_tokens=False)
-        if last:
-            ids.append(tokenizer.eos_token_id)  # the final answer ends the episode with EOS
+        ended = following is not None and demo[k]["content"].endswith(fmt.tool_format.stop)
+        if not ended:
+            ids.append(tokenizer.eos_token_id)  # the final answer (or an EOS-ended call) ends the turn
         steps.append(Step(list(context), ids, [0.0] * len(ids), index=len(steps), images=list(images)))
-        if not last:
-            context = context + ids + fmt.continuation([demo[k + 1]], after_eos=False)
-            images = images + fmt.images([demo[k + 1]])
+        if following is not None:
+            results = demo[k + 1 : following]  # one user turn of results, or a "tool" message per call
+            context = context + ids + fmt.continuation(results, after_eos=not ended)
+            images = images + fmt.images(results)
     (row,) = merge_trajectory(Trajectory(task={}, traj_id="demo", group_id="demo", steps=steps))
     return row
 
@@ -133,7 +136,7 @@ def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any 
     env = cfg.task.env_factory(processor, chat, 1, cfg.tool_format)()
     rows = []
     for demo in cfg.task.module.demos(cfg.task.options, env, cfg.num_examples, cfg.seed):
-        seq = demo_to_sequence(demo, env.prompt_prefix, env.format, tokenizer)
+        seq = demo_to_sequence(env.in_model_format(demo), env.prompt_prefix, env.format, tokenizer)
         n = len(seq.input_ids)
         rows.append(
             Row(

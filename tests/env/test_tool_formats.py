@@ -78,7 +78,7 @@ def test_a_call_the_template_renders_parses_back_to_the_same_call(tokenizer, fam
     before = render(tok, user, schemas, generation_prompt=True)
     after = render(tok, [*user, structured(name, args)], schemas)
     assert after.startswith(before)
-    turn = after[len(before) :]  # the assistant turn as the model would write it (and its end-of-turn)
+    turn = after[len(before) :].split(tok.eos_token)[0]  # the assistant turn as sampled (the EOS is no text)
     fmt = tool_format(tok.chat_template)
     assert fmt.parse(turn, {n: t.schema for n, t in TOOLS.items()}) == [ParsedCall(name, args)]
     assert fmt.format_call(name, args).replace("<\\/", "</") in turn.replace("<\\/", "</")  # what the template writes
@@ -208,3 +208,38 @@ def test_each_parser_reads_calls_answers_and_mistakes(family, text, expected):
 def test_qwen3_coder_arguments_must_be_an_object():
     with pytest.raises(ValueError, match="qwen3_coder tool calls take an object of arguments, got str"):
         TOOL_FORMATS["qwen3_coder"].format_call("a", json.dumps({"x": 1}))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_demonstration_trains_the_calls_in_the_models_own_syntax(tokenizer, family):
+    """Tasks write demonstrations with hermes calls and <tool_response> turns; SFT lays them out in the
+    model's family: the row is the template's rendering of the conversation, and the loss covers the
+    call turn (and its EOS where the family ends a call with one) and the answer."""
+    from agent_r1.tasks.calculator import demo
+    from agent_r1.trainer.sft import demo_to_sequence
+
+    tok = templated(tokenizer, family)
+    env = ToolEnv(TOOLS, ChatFormat(tok), instructions="Use the tools.")
+    written = demo({"question": "What is 6 * 7?", "solution": "6 * 7"})
+    row = demo_to_sequence(env.in_model_format(written), env.prompt_prefix, env.format, tok)
+    conversation = [
+        {"role": "system", "content": "Use the tools."},
+        {"role": "user", "content": "What is 6 * 7?"},
+        structured("calculator", {"expression": "6 * 7"}),
+        {"role": "tool", "name": "calculator", "tool_call_id": "c00020000", "content": "42"},
+    ]
+    schemas = [t.schema for t in TOOLS.values()]
+    expected = render(tok, conversation, schemas, generation_prompt=True) + "<answer>42</answer>" + tok.eos_token
+    assert tok.decode(row.input_ids) == expected.replace("<\\/", "</")
+    trained = tok.decode([t for t, m in zip(row.input_ids, row.loss_mask, strict=True) if m])
+    call = env.calls.format_call("calculator", {"expression": "6 * 7"})
+    ends_with_eos = not env.calls.stop
+    assert trained == call + tok.eos_token * ends_with_eos + "<answer>42</answer>" + tok.eos_token
+
+
+def test_hermes_demonstrations_for_a_template_without_tools_are_left_as_written(tokenizer):
+    from agent_r1.tasks.calculator import demo
+
+    env = ToolEnv(TOOLS, ChatFormat(tokenizer))
+    written = demo({"question": "What is 6 * 7?", "solution": "6 * 7"})
+    assert env.in_model_format(written) == written
