@@ -30,8 +30,8 @@ from agent_r1.env.tool_calls import (
     extract_answer,
     format_tool_responses,
     parse_tool_calls,
-    tools_system_prompt,
 )
+from agent_r1.env.tool_formats import tools_prompt
 from agent_r1.models.vision import text_only
 from agent_r1.tools import Tool, execute_tool_call
 from agent_r1.types import Action, Message, Observation, Termination
@@ -80,9 +80,8 @@ class ToolEnv:
         self.format = prompt_format.with_tools(list(self.schemas.values())) if self.native else prompt_format
         self.reward_fn = reward_fn
         self.instructions = instructions
-        example = None if self.calls.name == "hermes" else self.calls.format_call("tool_name", {"argument": "value"})
         listed = list(self.schemas.values())
-        self.system = instructions if self.native else tools_system_prompt(listed, instructions, example)
+        self.system = instructions if self.native else tools_prompt(listed, instructions, self.calls)
         self.examples = list(examples or [])
         self.max_turns = max_turns
         self.rewrite = rewrite

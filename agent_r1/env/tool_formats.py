@@ -24,10 +24,17 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from agent_r1.env.tool_calls import CALL_CLOSE, ParsedCall, ParseError, format_tool_call, parse_tool_calls
+from agent_r1.env.tool_calls import (
+    CALL_CLOSE,
+    ParsedCall,
+    ParseError,
+    format_tool_call,
+    parse_tool_calls,
+    tools_system_prompt,
+)
 
 ToolFormatName = Literal["auto", "hermes", "llama3_json", "mistral", "mistral_args", "qwen3_coder", "harmony"]
 Parsed = list[ParsedCall | ParseError]
@@ -58,9 +65,21 @@ def _json_prefix(text: str) -> tuple[Any, str | None]:
         return None, "tool call is not valid JSON (nested too deeply)"
 
 
+# the families' markup that may sit inside a JSON string (it cannot outside one), and the same string
+# with its first character escaped: an argument holding it cannot end or start a call early
+_ESCAPES = [
+    ("</", "<\\/"),
+    *((m, "\\u003c" + m[1:]) for m in ("<|", "<parameter=", "<function=")),
+    *((m, "\\u005b" + m[1:]) for m in ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")),
+]
+
+
 def _dumps(value: Any) -> str:
-    """JSON as the templates write it (`tojson`), with `</` escaped so no argument closes a tag early."""
-    return json.dumps(value, ensure_ascii=False).replace("</", "<\\/")
+    """JSON as the templates write it (`tojson`), with the markup of every family escaped in strings."""
+    text = json.dumps(value, ensure_ascii=False)
+    for markup, escaped in _ESCAPES:
+        text = text.replace(markup, escaped)
+    return text
 
 
 def _call(obj: Any, keys: tuple[str, ...], example: str) -> ParsedCall | ParseError:
@@ -249,39 +268,74 @@ def _harmony_turn(content: str, calls: Calls) -> str:
     return thought + "<|start|>assistant".join(format_harmony(n, a) for n, a in calls)
 
 
+def _harmony_visible(text: str) -> str:
+    """What a client is shown of a harmony turn: its final channel's message (none of the analysis)."""
+    if "<|channel|>" not in text:
+        return text
+    final = text.rsplit("<|channel|>final<|message|>", 1)
+    return re.split(r"<\|end\|>|<\|return\|>", final[1], maxsplit=1)[0] if len(final) == 2 else ""
+
+
+def _opening(any_call: str, named: Callable[[str], str]) -> Callable[[str | None], str]:
+    return lambda name: any_call if name is None else named(name)
+
+
 @dataclass(frozen=True)
 class ToolFormat:
-    """One family's tool-call syntax."""
+    """One family's tool-call syntax: how to read calls, write them, and show a client the rest."""
 
     name: str
     parse: Callable[[str, Schemas | None], Parsed]
     format_call: Callable[[str, Any], str]
     write_turn: Callable[[str, Calls], str]  # an assistant turn: its prose, then its calls
-    stop: tuple[str, ...] = field(default=())  # strings that end a call turn (beside the model's EOS)
+    # where a call may begin: the text from there on is not the turn's content (and is not streamed)
+    markers: tuple[str, ...]
+    # the opening of a call that `tool_choice` forces: any call (None), or one to the named function
+    opening: Callable[[str | None], str]
+    stop: tuple[str, ...] = ()  # strings that end a call turn (beside the model's EOS)
+    visible: Callable[[str], str] = lambda text: text  # the part of a turn a client sees as content
 
 
 def _hermes(text: str, schemas: Schemas | None = None) -> Parsed:
     return parse_tool_calls(text)
 
 
+# no trailing space in an opening: BPE tokenizers fold a space into the token after it (` {`), so a
+# prompt ending in a bare space is one no model has seen before its arguments
 TOOL_FORMATS: dict[str, ToolFormat] = {
     f.name: f
     for f in (
-        ToolFormat("hermes", _hermes, format_tool_call, _prose_then_calls(format_tool_call), (CALL_CLOSE,)),
-        ToolFormat("llama3_json", parse_llama3_json, format_llama3_json, _llama3_turn),
-        ToolFormat("mistral", parse_mistral, format_mistral, _mistral_turn),
         ToolFormat(
-            "mistral_args",
-            parse_mistral,
-            format_mistral_args,
-            lambda c, calls: c + "".join(format_mistral_args(*x) for x in calls),
+            "hermes", _hermes, format_tool_call, _prose_then_calls(format_tool_call), ("<tool_call>",),
+            _opening("<tool_call>\n", lambda n: f'<tool_call>\n{{"name": {json.dumps(n)}, "arguments":'),
+            stop=(CALL_CLOSE,),
         ),
         ToolFormat(
-            "qwen3_coder", parse_qwen3_coder, format_qwen3_coder, _prose_then_calls(format_qwen3_coder), (CALL_CLOSE,)
+            "llama3_json", parse_llama3_json, format_llama3_json, _llama3_turn, (PYTHON_TAG, "{"),
+            _opening('{"name":', lambda n: f'{{"name": {json.dumps(n)}, "parameters":'),
         ),
-        ToolFormat("harmony", parse_harmony, format_harmony, _harmony_turn, ("<|call|>",)),
+        ToolFormat(
+            "mistral", parse_mistral, format_mistral, _mistral_turn, (TOOL_CALLS,),
+            _opening(f"{TOOL_CALLS}[", lambda n: f'{TOOL_CALLS}[{{"name": {json.dumps(n)}, "arguments":'),
+        ),
+        ToolFormat(
+            "mistral_args", parse_mistral, format_mistral_args,
+            lambda content, calls: content + "".join(format_mistral_args(*c) for c in calls), (TOOL_CALLS,),
+            _opening(TOOL_CALLS, lambda n: f"{TOOL_CALLS}{n}{ARGS}"),
+        ),
+        ToolFormat(
+            "qwen3_coder", parse_qwen3_coder, format_qwen3_coder, _prose_then_calls(format_qwen3_coder),
+            ("<tool_call>", "<function="),
+            _opening("<tool_call>\n<function=", lambda n: f"<tool_call>\n<function={n}>\n"), stop=(CALL_CLOSE,),
+        ),
+        ToolFormat(
+            "harmony", parse_harmony, format_harmony, _harmony_turn, ("<|channel|>", "<|start|>"),
+            _opening("<|channel|>commentary to=functions.",
+                     lambda n: f"<|channel|>commentary to=functions.{n} <|constrain|>json<|message|>"),
+            stop=("<|call|>",), visible=_harmony_visible,
+        ),
     )
-}
+}  # fmt: skip
 
 
 def detect_tool_format(template: str | None) -> str:
@@ -306,3 +360,10 @@ def tool_format(template: str | None, name: str = "auto") -> ToolFormat:
     if name not in TOOL_FORMATS:
         raise ValueError(f"unknown tool_format {name!r}: use auto or one of {', '.join(TOOL_FORMATS)}")
     return TOOL_FORMATS[name]
+
+
+def tools_prompt(schemas: list[dict[str, Any]], instructions: str, fmt: ToolFormat) -> str:
+    """Our system prompt listing the tools, for a template that does not render them itself: the call
+    syntax it shows is the family's (hermes: the prompt the bundled models are trained with)."""
+    example = None if fmt.name == "hermes" else fmt.format_call("tool_name", {"argument": "value"})
+    return tools_system_prompt(schemas, instructions, example)

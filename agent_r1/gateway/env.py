@@ -37,7 +37,7 @@ from typing import Any
 
 from agent_r1.env.base import StepResult
 from agent_r1.env.prompt_format import PromptFormat, prompt_format_for
-from agent_r1.env.tool_calls import CALL_CLOSE, ParseError, parse_tool_calls
+from agent_r1.env.tool_calls import ParseError
 from agent_r1.gateway.server import Call, Gateway, Mailbox, gateway
 from agent_r1.models.vision import image_parts
 from agent_r1.serve.messages import chat_result, check_unicode, forced_call, template_messages, tool_schemas
@@ -152,13 +152,15 @@ class ProgramEnv:
         self.turn += 1
         actions = [action, *action.alternatives]
         messages, finishes, counts = [], [], []
+        calls_format = self.format.tool_format
         for a in actions:
             text = self.forced + a.text  # a forced call's opening is the env's, the rest the policy's
-            content, calls, finish = chat_result(text, self.client_stops, self.tools_on, a.finish_reason)
+            content, calls, finish = chat_result(text, self.client_stops, self.tools, a.finish_reason, calls_format)
             messages.append({"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {}))
             finishes.append(finish)
             # the model's calls, which the program runs: counted as ToolEnv counts them (malformed ones stay content)
-            malformed = sum(isinstance(c, ParseError) for c in parse_tool_calls(text)) if self.tools_on else 0
+            parsed = calls_format.parse(text, {t["function"]["name"]: t for t in self.tools}) if self.tools else []
+            malformed = sum(isinstance(c, ParseError) for c in parsed)
             counts.append({"tool_calls": len(calls), "format_errors": malformed})
         self.call.reply(self._completion(messages, finishes, actions))
         self.history = (self.sent, [_key(ChatMessage.model_validate(m)) for m in messages], self.sent_tools)
@@ -278,21 +280,23 @@ class ProgramEnv:
         body = call.body
         check_unicode(body)
         tools = tool_schemas(body.tools) if body.tools and body.tool_choice != "none" else []
-        messages = template_messages(body.messages, tools)  # checks every message: a 400 names the first bad one
+        # checks every message: a 400 names the first bad one
+        messages = template_messages(body.messages, tools, self.format)
+        fmt = self.format.with_tools(tools) if self.format.native_tools and tools else self.format
         pictures = sum(len(image_parts(m)) for m in messages)
         if pictures and getattr(self.format, "encoder", None) is None:
             raise APIError(400, f"the request has {pictures} image(s) but the policy reads text only", param="messages")
-        forced = forced_call(body.tool_choice, tools)
+        forced = forced_call(body.tool_choice, tools, self.format.tool_format)
         tools_key = json.dumps(tools, sort_keys=True)
         new, choice = self._new_messages(body.messages, tools_key, bool(tools))
         try:
             if new is not None:
-                delta = template_messages(new, [])
+                delta = template_messages(new, [], self.format)
                 context, after_eos = self.contexts[choice]
-                ids = context + self.format.continuation(delta, after_eos=after_eos)
-                images = self.images + self.format.images(delta)
+                ids = context + fmt.continuation(delta, after_eos=after_eos)
+                images = self.images + fmt.images(delta)
             else:
-                ids, images = self.format.initial(messages), self.format.images(messages)
+                ids, images = fmt.initial(messages), fmt.images(messages)
         except ValueError as exc:  # images the template and the messages disagree on, an unreadable image
             raise APIError(400, str(exc), param="messages") from None
         if forced:  # the answer's forced opening ends the prompt: the policy samples on from it
@@ -300,10 +304,10 @@ class ProgramEnv:
         self.call, self.prompt, self.images, self.merged = call, ids, images, new is not None
         self.choice, self.forced, self.samples = choice, forced, body.n
         self.sent, self.sent_tools = [_key(m) for m in body.messages], tools_key
-        self.request_messages, self.tools_on = body.messages, bool(tools)
+        self.request_messages, self.tools = body.messages, tools
         self.client_stops = body.stops + tuple(self.format.stop)  # where the answer's visible text ends
         one_call = tools and not body.parallel_tool_calls  # stop after the first call, as ToolEnv does
-        self.stop = ((CALL_CLOSE,) if one_call else ()) + body.stops + tuple(self.format.stop)
+        self.stop = (self.format.tool_format.stop if one_call else ()) + body.stops + tuple(self.format.stop)
         return Observation(token_ids=list(ids), images=list(images))
 
     def _new_messages(

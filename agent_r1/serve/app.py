@@ -39,7 +39,6 @@ from fastapi import FastAPI, Request
 from transformers import PreTrainedTokenizerBase
 
 from agent_r1.env.prompt_format import PromptFormat
-from agent_r1.env.tool_calls import CALL_CLOSE, CALL_OPEN
 from agent_r1.models.vision import image_parts
 from agent_r1.rollout.engine import GenerateOutput, SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
@@ -98,24 +97,26 @@ class _API:
         self._check_chat(body)
         check_unicode(body)
         tools = tool_schemas(body.tools) if body.tools and body.tool_choice != "none" else []
-        forced = forced_call(body.tool_choice, tools)  # a forced call's opening ends the prompt
-        prompt, images = await _off_loop(self._chat_prompt, template_messages(body.messages, tools))
+        calls_format = self.s.prompt_format.tool_format
+        forced = forced_call(body.tool_choice, tools, calls_format)  # a forced call's opening ends the prompt
+        messages = template_messages(body.messages, tools, self.s.prompt_format)
+        prompt, images = await _off_loop(self._chat_prompt, messages, tools)
         prompt = prompt + (self.s.tokenizer.encode(forced, add_special_tokens=False) if forced else [])
         stops = body.stops + tuple(self.s.prompt_format.stop)
         max_tokens = self._budget(len(prompt), body.max_completion_tokens or body.max_tokens, "messages")
         one_call = tools and not body.parallel_tool_calls
         params = SamplingParams(
             max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-            stop=((CALL_CLOSE,) if one_call else ()) + stops, seed=body.seed,
+            stop=(calls_format.stop if one_call else ()) + stops, seed=body.seed,
         )  # fmt: skip
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.s.name}
         rows = [prompt] * body.n  # choice k is sampled with seed + k (the engine's), as vLLM's n
         if body.stream:
-            return sse(self._chat_events(head, rows, images, params, stops, bool(tools), forced))
+            return sse(self._chat_events(head, rows, images, params, stops, tools, forced))
         outs = await self._generate(request, rows, params, images)
         choices = []
         for k, out in enumerate(outs):
-            content, calls, finish = chat_result(forced + out.text, stops, bool(tools), out.finish_reason)
+            content, calls, finish = chat_result(forced + out.text, stops, tools, out.finish_reason, calls_format)
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls
@@ -227,9 +228,11 @@ class _API:
         return rows
 
     # --- generation ----------------------------------------------------------------------------------
-    def _chat_prompt(self, messages: list[Message]) -> tuple[list[int], list[Image]]:
-        """The prompt's ids and its images (read and prepared here: a bad image is a 400 naming it)."""
+    def _chat_prompt(self, messages: list[Message], tools: list[dict]) -> tuple[list[int], list[Image]]:
+        """The prompt's ids and its images (read and prepared here: a bad image is a 400 naming it). A
+        template that renders tools itself is given them."""
         fmt, n = self.s.prompt_format, sum(len(image_parts(m)) for m in messages)
+        fmt = fmt.with_tools(tools) if fmt.native_tools and tools else fmt
         if n and getattr(fmt, "encoder", None) is None:
             raise APIError(400, f"the request has {n} image(s) but {self.s.name} reads text only", param="messages")
         try:
@@ -284,7 +287,7 @@ class _API:
 
     async def _chat_events(
         self, head: dict, rows: list[list[int]], images: list[Image], params: SamplingParams,
-        stops: tuple[str, ...], tools: bool, forced: str,
+        stops: tuple[str, ...], tools: list[dict], forced: str,
     ) -> AsyncIterator[dict]:  # fmt: skip
         """Each choice's content as it is sampled (none inside a call, nor after a forced call's opening),
         then its tool calls, whole, with its finish reason."""
@@ -295,7 +298,8 @@ class _API:
 
         for k in range(len(rows)):
             yield chunk(k, {"role": "assistant", "content": ""})
-        markers = ((CALL_OPEN,) if tools else ()) + stops
+        calls_format = self.s.prompt_format.tool_format
+        markers = (calls_format.markers if tools else ()) + stops
         texts = [TextStream(self.s.tokenizer, self.eos_ids, markers) for _ in rows]
         async with self._tokens(rows, params, images) as (next_event, outputs):
             while (event := await next_event()) is not None:
@@ -303,7 +307,7 @@ class _API:
                     yield chunk(event[0], {"content": delta})
             outs = outputs()
         for k, out in enumerate(outs):
-            content, calls, finish = chat_result(forced + out.text, stops, tools, out.finish_reason)
+            content, calls, finish = chat_result(forced + out.text, stops, tools, out.finish_reason, calls_format)
             last: dict[str, Any] = {"content": rest} if (rest := texts[k].finish(content or "")) else {}
             if calls:
                 last["tool_calls"] = [c | {"index": i} for i, c in enumerate(calls)]

@@ -1,10 +1,11 @@
-"""OpenAI chat requests <-> the hermes tool-calling format `ToolEnv` trains with: shared by `agent-r1 serve`
-and the gateway (agent_r1/gateway), so a request is rendered, and an answer turned into `tool_calls`, the
-same way in both.
+"""OpenAI chat requests <-> the tool-calling format `ToolEnv` trains with (the model family's syntax,
+agent_r1.env.tool_formats): shared by `agent-r1 serve` and the gateway (agent_r1/gateway), so a request is
+rendered, and an answer turned into `tool_calls`, the same way in both.
 
 * `template_messages`: OpenAI messages (system, user, assistant with `tool_calls`, tool results) -> the
-  messages `ToolEnv` would have built: one system prompt listing the tools, calls as `<tool_call>` blocks,
-  consecutive tool results as one user turn of `<tool_response>` blocks.
+  messages `ToolEnv` would have built: for a template that renders tools itself, the messages as they
+  are; otherwise one system prompt listing the tools, calls in the family's syntax (hermes `<tool_call>`
+  blocks for the bundled models), consecutive tool results as one user turn of `<tool_response>` blocks.
 * `chat_result`: one sampled response -> (content, OpenAI `tool_calls`, finish_reason).
 * `tool_schemas`, `check_unicode`: the request's tools and strings checked, a 400 naming the first bad one.
 * `forced_call`: what a forcing `tool_choice` (`required`, a named function) fixes of the answer's start.
@@ -19,23 +20,24 @@ from typing import Any
 
 import jsonschema
 
-from agent_r1.env.tool_calls import (
-    CALL_OPEN,
-    ParsedCall,
-    format_tool_call,
-    format_tool_responses,
-    parse_tool_calls,
-    tools_system_prompt,
-)
+from agent_r1.env.prompt_format import PromptFormat
+from agent_r1.env.tool_calls import ParsedCall, format_tool_responses
+from agent_r1.env.tool_formats import TOOL_FORMATS, ToolFormat, tools_prompt
 from agent_r1.rollout.text_stream import visible_prefix
 from agent_r1.serve.schema import APIError, ChatMessage, ToolSpec
 from agent_r1.tools import Tool
 from agent_r1.types import Message
 
 
-def template_messages(messages: list[ChatMessage], tools: list[dict]) -> list[Message]:
-    """OpenAI messages -> the messages `ToolEnv` would have built: one system prompt listing the tools,
-    assistant calls as hermes `<tool_call>` blocks, and consecutive tool results as one user turn."""
+def template_messages(messages: list[ChatMessage], tools: list[dict], fmt: PromptFormat | None = None) -> list[Message]:
+    """OpenAI messages -> the messages `ToolEnv` would have built for the model's prompt format `fmt`
+    (hermes without one). A template that renders tools itself gets them as OpenAI gives them (calls as
+    `tool_calls`, results as "tool" messages; the tools go in through `fmt.with_tools`). Otherwise: one
+    system prompt listing the tools, calls written in the model's family syntax (hermes `<tool_call>`
+    blocks for the bundled models), and consecutive tool results as one user turn."""
+    if fmt is not None and fmt.native_tools and not any(message_images(m) for m in messages if m.role == "tool"):
+        return _structured(messages)
+    calls_format = fmt.tool_format if fmt is not None else TOOL_FORMATS["hermes"]
     out: list[Message] = []
     system: list[str] = []
     results: list[str] = []
@@ -53,15 +55,40 @@ def template_messages(messages: list[ChatMessage], tools: list[dict]) -> list[Me
         elif m.role in ("system", "developer"):
             out.append({"role": "system", "content": text})
         elif m.role == "assistant":
-            calls = [format_tool_call(c.function.name, _arguments(c.function.arguments, i)) for c in m.tool_calls or []]
-            out.append({"role": "assistant", "content": "\n".join(([text] if text else []) + calls)})
+            calls = [(c.function.name, _arguments(c.function.arguments, i)) for c in m.tool_calls or []]
+            out.append({"role": "assistant", "content": calls_format.write_turn(text, calls) if calls else text})
         else:
             images = [{"type": "image", "image": url} for url in message_images(m)]
             out.append({"role": "user", "content": [*images, {"type": "text", "text": text}] if images else text})
     if results:
         out.append({"role": "user", "content": format_tool_responses(results, shown)})
     if tools:
-        out.insert(0, {"role": "system", "content": tools_system_prompt(tools, "\n\n".join(system))})
+        out.insert(0, {"role": "system", "content": tools_prompt(tools, "\n\n".join(system), calls_format)})
+    return out
+
+
+def _structured(messages: list[ChatMessage]) -> list[Message]:
+    """OpenAI messages for a template that renders tool calls and results itself: calls with decoded
+    arguments, and each result named by the call it answers (gpt-oss's template addresses it so)."""
+    out: list[Message] = []
+    names: dict[str | None, str] = {}  # tool_call_id -> the function it called
+    for i, m in enumerate(messages):
+        text = message_text(m, i, images=m.role == "user")
+        if m.role == "assistant":
+            calls = []
+            for c in m.tool_calls or []:
+                names[c.id] = c.function.name
+                function = {"name": c.function.name, "arguments": _arguments(c.function.arguments, i)}
+                calls.append({"type": "function", "id": c.id, "function": function})
+            out.append({"role": "assistant", "content": text} | ({"tool_calls": calls} if calls else {}))
+        elif m.role == "tool":
+            name = names.get(m.tool_call_id)
+            out.append({"role": "tool", "content": text, "tool_call_id": m.tool_call_id, "name": name})
+        elif m.role in ("system", "developer"):
+            out.append({"role": "system", "content": text})
+        else:
+            images = [{"type": "image", "image": url} for url in message_images(m)]
+            out.append({"role": "user", "content": [*images, {"type": "text", "text": text}] if images else text})
     return out
 
 
@@ -115,15 +142,16 @@ def _checked_tools(specs_json: str) -> str:
     return json.dumps(schemas)
 
 
-def forced_call(tool_choice: Any, tools: list[dict]) -> str:
+def forced_call(tool_choice: Any, tools: list[dict], calls: ToolFormat = TOOL_FORMATS["hermes"]) -> str:
     """The start of the answer that `tool_choice` fixes, "" when it forces nothing.
 
-    "required" opens a call (`<tool_call>` and its newline); a named function opens a call to that function
-    up to its arguments, as `format_tool_call` writes one. The prefix goes into the prompt, written
-    by the environment, and the policy samples on from it: nothing it did not sample is trained as sampled,
-    and the call it finishes is the one OpenAI's API promises. (vLLM forces the same with a JSON-schema
-    grammar; a prefix needs no constrained decoding and works with every engine, at the price of the
-    arguments being free-form: a malformed call stays content, as with "auto".)"""
+    "required" opens a call (hermes: `<tool_call>` and its newline); a named function opens a call to that
+    function up to its arguments, as the family `calls` writes one (`ToolFormat.opening`). The prefix goes
+    into the prompt, written by the environment, and the policy samples on from it: nothing it did not
+    sample is trained as sampled, and the call it finishes is the one OpenAI's API promises. (vLLM forces
+    the same with a JSON-schema grammar; a prefix needs no constrained decoding and works with every
+    engine, at the price of the arguments being free-form: a malformed call stays content, as with
+    "auto".)"""
     if tool_choice in (None, "auto", "none"):
         return ""
     name = None
@@ -137,26 +165,27 @@ def forced_call(tool_choice: Any, tools: list[dict]) -> str:
     if not tools:
         message = f"tool_choice={tool_choice!r} forces a tool call, but the request lists no tools"
         raise APIError(400, message, param="tool_choice")
-    if name is None:
-        return f"{CALL_OPEN}\n"
     names = [t["function"]["name"] for t in tools]
-    if name not in names:
+    if name is not None and name not in names:
         message = f"tool_choice names the function {name!r}, which is not among the request's tools {names}"
         raise APIError(400, message, param="tool_choice")
-    # no trailing space: BPE tokenizers fold a space into the token after it (` {`), so a prompt ending
-    # in a bare space is one no model has seen before its arguments
-    return f'{CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments":'
+    return calls.opening(name)
 
 
 def _runs_on_client(**_: Any) -> None:
     raise RuntimeError("tools given in a request are called by the client, never by the server")
 
 
-def chat_result(text: str, stops: tuple[str, ...], tools: bool, finish: str) -> tuple[str | None, list, str]:
-    """(content, OpenAI tool_calls, finish_reason) of one response; a malformed call stays content."""
-    calls = [c for c in parse_tool_calls(text) if isinstance(c, ParsedCall)] if tools else []
+def chat_result(
+    text: str, stops: tuple[str, ...], tools: list[dict], finish: str, calls_format: ToolFormat = TOOL_FORMATS["hermes"]
+) -> tuple[str | None, list, str]:
+    """(content, OpenAI tool_calls, finish_reason) of one response, read in the model's family syntax
+    (the request's `tools` type Qwen3-Coder's text values); a malformed call stays content."""
+    schemas = {t["function"]["name"]: t for t in tools}
+    calls = [c for c in calls_format.parse(text, schemas) if isinstance(c, ParsedCall)] if tools else []
+    shown = calls_format.visible(text)
     if not calls:
-        return visible_prefix(text, stops, final=True), [], "length" if finish == "length" else "stop"
+        return visible_prefix(shown, stops, final=True), [], "length" if finish == "length" else "stop"
     openai_calls = [
         {
             "id": f"call_{uuid.uuid4().hex[:24]}",
@@ -168,7 +197,7 @@ def chat_result(text: str, stops: tuple[str, ...], tools: bool, finish: str) -> 
         }
         for c in calls
     ]
-    content = visible_prefix(text, (CALL_OPEN, *stops), final=True)
+    content = visible_prefix(shown, (*calls_format.markers, *stops), final=True)
     return (content if content.strip() else None), openai_calls, "tool_calls"
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from agent_r1.env.tool_calls import ParsedCall, ParseError
 from agent_r1.env.tool_formats import TOOL_FORMATS
 from tests.conftest import examples
-from tests.env.test_tool_calls_fuzz import FRAGMENTS, json_values, one_line
+from tests.env.test_tool_calls_fuzz import FRAGMENTS, one_line
 
 # the syntax of the other families, whole and cut, beside hermes' own pieces
 FAMILY_FRAGMENTS = [
@@ -26,6 +26,11 @@ texts = st.one_of(
     st.lists(st.one_of(st.sampled_from(FRAGMENTS + FAMILY_FRAGMENTS), st.text(max_size=6)), max_size=40).map("".join),
 )
 PROPERTIES = {"days": {"type": "integer"}, "units": {"type": "array"}, "city": {"type": "string"}}
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | texts,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(texts, inner, max_size=4),
+    max_leaves=12,
+)
 SCHEMAS = {"forecast": {"type": "function", "function": {"name": "forecast", "parameters": {"properties": PROPERTIES}}}}
 names = st.from_regex(r"[A-Za-z_][A-Za-z0-9_.-]{0,20}", fullmatch=True)
 
