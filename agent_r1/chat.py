@@ -33,7 +33,7 @@ from agent_r1.rollout.agent_loop import AgentEnvLoop
 from agent_r1.rollout.engine import Engine, GenerateOutput, SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.text_stream import TextStream, visible_prefix
-from agent_r1.task import TaskSpec, resolve_chat
+from agent_r1.task import TaskSpec, resolve_chat, resolve_tool_format
 from agent_r1.tools import BUILTIN_TOOLS, Tool
 from agent_r1.types import Action, Message, Observation, Trajectory
 
@@ -222,7 +222,7 @@ def session_prompt(cfg: ChatConfig, tokenizer: Any, chat: bool) -> ChatPrompt:
     spec = _chat_task(cfg)
     if spec is None:
         return ChatPrompt({t: BUILTIN_TOOLS[t] for t in cfg.tools or ("calculator",)}, cfg.system, [], None)
-    env = spec.env_factory(tokenizer, chat, cfg.max_turns, cfg.tool_format)()
+    env = spec.env_factory(tokenizer, chat, cfg.max_turns, resolve_tool_format(cfg.tool_format, cfg.model))()
     if not isinstance(env, ToolEnv):
         raise ValueError(f"task {spec.name!r} does not use a ToolEnv: chat needs tools and a system prompt")
     tools = dict(env.tools) | {t: BUILTIN_TOOLS[t] for t in cfg.tools}
@@ -245,7 +245,8 @@ def run_chat(cfg: ChatConfig, console: Console | None = None) -> None:
     prompt = session_prompt(cfg, processor, chat)
     engine = LocalEngine(model, tokenizer, seed=cfg.seed)
     session = ChatSession(
-        engine, prompt_format_for(processor, chat, cfg.tool_format), prompt.tools, cfg.sampling,
+        engine, prompt_format_for(processor, chat, resolve_tool_format(cfg.tool_format, cfg.model)), prompt.tools,
+        cfg.sampling,
         instructions=prompt.instructions, examples=prompt.examples, max_tool_tokens=prompt.max_tool_tokens,
         max_turns=cfg.max_turns, seed=cfg.seed,
     )  # fmt: skip

@@ -24,7 +24,7 @@ from agent_r1.observe.records import trajectory_records, write_records
 from agent_r1.rollout.agent_loop import AgentEnvLoop, correct, summarize
 from agent_r1.rollout.engine import Engine, SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
-from agent_r1.task import TaskSpec, resolve_chat
+from agent_r1.task import TaskSpec, resolve_chat, resolve_tool_format
 from agent_r1.types import Termination, Trajectory
 
 ERROR_WARNING = 0.5  # above this share of errored episodes, the accuracy says nothing about the model
@@ -89,7 +89,10 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str,
     model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     processor = load_processor(cfg.model) or tokenizer  # a vision-language model reads images through it
     make_env = cfg.task.env_factory(
-        processor, resolve_chat(cfg.prompt_format, processor, cfg.model), cfg.max_turns, cfg.tool_format
+        processor,
+        resolve_chat(cfg.prompt_format, processor, cfg.model),
+        cfg.max_turns,
+        resolve_tool_format(cfg.tool_format, cfg.model),
     )
     engine = LocalEngine(
         model, tokenizer, max_batch_size=cfg.max_batch_size, seed=cfg.seed, kv_cache_gb=cfg.kv_cache_gb

@@ -173,6 +173,16 @@ def _rebuild_factory(
     return EnvFactory(task, options_, tokenizer, chat, max_turns, tool_format)
 
 
+def resolve_tool_format(tool_format: str, model_name: str | None) -> str:
+    """The tool-call family asked for; for "auto", the one a policy directory was trained with (its
+    agent_r1.json), else "auto" (the chat template's own, agent_r1.env.tool_formats)."""
+    if tool_format != "auto" or model_name is None:
+        return tool_format
+    from agent_r1.models.loading import recorded_tool_format
+
+    return recorded_tool_format(model_name)
+
+
 def resolve_chat(prompt_format: str, tokenizer: Any, model_name: str | None = None) -> bool:
     """Chat template or plain text: `chat`/`text` as asked; `auto` = what the model was trained with
     (its agent_r1.json, when loaded by name), else whether its tokenizer has a chat template."""

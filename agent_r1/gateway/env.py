@@ -443,6 +443,7 @@ class ProgramEnvFactory:
     timeout_s: float = 60.0
     max_turns: int = 8
     chat: bool | None = None  # the chat template (None: when the tokenizer has one) or plain text
+    tool_format: str = "auto"  # the tool-call family (agent_r1.env.tool_formats): auto = the template's
     env: tuple[tuple[str, str], ...] = ()  # more environment variables for a command
     cwd: str | None = None
 
@@ -458,8 +459,9 @@ class ProgramEnvFactory:
     def __call__(self) -> ProgramEnv:
         fn = import_path(self.function, "function") if isinstance(self.function, str) else self.function
         reward = import_path(self.reward, "reward") if isinstance(self.reward, str) else self.reward
+        fmt = prompt_format_for(self.tokenizer, self.chat, self.tool_format)
         return ProgramEnv(
-            self.command if self.command is not None else fn, prompt_format_for(self.tokenizer, chat=self.chat),
+            self.command if self.command is not None else fn, fmt,
             reward, timeout_s=self.timeout_s, max_turns=self.max_turns, env=dict(self.env), cwd=self.cwd,
         )  # fmt: skip
 

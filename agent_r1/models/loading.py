@@ -183,6 +183,14 @@ def is_chat_model(name_or_path: str, tokenizer: PreTrainedTokenizerBase) -> bool
     return bool(tokenizer.chat_template)
 
 
+def recorded_tool_format(name_or_path: str) -> str:
+    """The tool-call family a policy directory was trained with (its agent_r1.json), else "auto"."""
+    recorded = Path(name_or_path).expanduser() / EXPORT_INFO
+    if not recorded.is_file():
+        return "auto"
+    return (json.loads(recorded.read_text()).get("tool_call_format") or {}).get("name", "auto")
+
+
 def load_model(
     name_or_path: str = "default", *, device: str = "cpu", dtype: str = "fp32", training: bool = False
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

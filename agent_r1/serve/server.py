@@ -10,10 +10,12 @@ from typing import Literal
 import uvicorn
 
 from agent_r1.env.prompt_format import prompt_format_for
+from agent_r1.env.tool_formats import ToolFormatName
 from agent_r1.models.loading import DEFAULT_MODEL, is_chat_model, load_model, load_processor
 from agent_r1.models.precision import Device, Precision
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.serve.app import ServedModel, create_app
+from agent_r1.task import resolve_tool_format
 
 
 @dataclass
@@ -50,6 +52,9 @@ class ServeConfig:
     """seed of requests that set none"""
     prompt_format: Literal["auto", "chat", "text"] = "auto"
     """chat template or plain text; auto = chat when the model has a template"""
+    tool_format: ToolFormatName = "auto"
+    """how the model writes tool calls: auto = what it was trained with (its agent_r1.json), else its chat
+    template's family (hermes, llama3_json, mistral, mistral_args, qwen3_coder, harmony)"""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """uvicorn log level"""
     max_request_mb: float = 8.0
@@ -85,7 +90,8 @@ def run_serve(cfg: ServeConfig) -> None:
         batch_wait_s=cfg.batch_wait_ms / 1000, kv_cache_gb=cfg.kv_cache_gb, max_prefill_tokens=cfg.max_prefill_tokens,
     )  # fmt: skip
     served = ServedModel(
-        engine, tokenizer, prompt_format_for(processor, chat=chat), cfg.served_name,
+        engine, tokenizer, prompt_format_for(processor, chat, resolve_tool_format(cfg.tool_format, cfg.model)),
+        cfg.served_name,
         request_timeout=cfg.request_timeout, default_max_tokens=cfg.max_tokens,
         allow_weight_updates=cfg.allow_weight_updates, max_request_bytes=int(cfg.max_request_mb * 2**20),
     )  # fmt: skip

@@ -17,8 +17,11 @@ from typing import Any
 
 import torch
 
+from agent_r1.env.prompt_format import prompt_format_for
+from agent_r1.env.tool_formats import TOOL_FORMATS, ToolFormat
 from agent_r1.models.loading import is_chat_model, load_model, load_processor
 from agent_r1.models.lora import LoraConfig, with_lora
+from agent_r1.task import resolve_tool_format
 from agent_r1.trainer.checkpoint import export_policy, latest_checkpoint, load_sharded_weights, load_trained_state
 
 
@@ -65,18 +68,20 @@ def load_policy(checkpoint: Path, model: str | None = None) -> tuple[torch.nn.Mo
     return policy.eval(), tokenizer, config | {"model": base}
 
 
-def policy_info(base_model: str, chat: bool, task: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
+def policy_info(
+    base_model: str, chat: bool, task: dict[str, Any] | None, calls: ToolFormat = TOOL_FORMATS["hermes"], **extra: Any
+) -> dict[str, Any]:
     """What a policy directory's agent_r1.json records: how the model was trained to be prompted (prompt
-    format, tool-call format) and on which task (name and options, whose instructions chat reuses)."""
+    format, tool-call format: chat, serve and eval read both back) and on which task (name and options,
+    whose instructions chat reuses)."""
     return {
         "base_model": base_model,
         "prompt_format": "chat" if chat else "text",
         "task": task,
         "tool_call_format": {
-            "name": "hermes",
-            "call": '<tool_call>\n{"name": <tool-name>, "arguments": <arguments-object>}\n</tool_call>',
-            "stop": "</tool_call>",
-            "result": "<tool_response>\n<output>\n</tool_response>, all results of a turn in one user message",
+            "name": calls.name,
+            "call": calls.format_call("tool_name", {"argument": "value"}),
+            "stop": list(calls.stop),
         },
         **extra,
     }
@@ -88,8 +93,9 @@ def run_export(cfg: ExportConfig) -> Path:
     fmt = config.get("prompt_format", "auto")
     chat = is_chat_model(config["model"], tokenizer) if fmt == "auto" else fmt == "chat"
     meta = json.loads((checkpoint / "meta.json").read_text())
+    calls = prompt_format_for(tokenizer, chat, resolve_tool_format(config.get("tool_format", "auto"), config["model"]))
     info = policy_info(
-        config["model"], chat, meta.get("task", config.get("task")),  # RL records None for an env passed in
+        config["model"], chat, meta.get("task", config.get("task")), calls.tool_format,  # RL: None for an env passed in
         exported_from=str(checkpoint.resolve()),
         step=meta.get("step"),
         lora_merged=bool((config.get("lora") or {}).get("enabled")),

@@ -48,6 +48,7 @@ from agent_r1.distributed import fsdp
 from agent_r1.distributed.group import Dist, contiguous_shards, init_distributed
 from agent_r1.distributed.ray_rollout import RayRollout, connect_ray
 from agent_r1.env.base import Env
+from agent_r1.env.prompt_format import prompt_format_for
 from agent_r1.models.loading import load_model, load_processor, place_model, resolve_model_path
 from agent_r1.models.lora import merged_copy, with_lora
 from agent_r1.models.precision import cpu_copy, model_device, resolve_device
@@ -63,7 +64,7 @@ from agent_r1.rollout.merge import merge_trajectory
 from agent_r1.rollout.producer import STALL_GROUPS, AsyncRollout, EngineGroups, GroupRunner, RolloutStalled
 from agent_r1.rollout.remote_engine import RemoteEngine
 from agent_r1.rollout.vllm_engine import VLLMEngine, import_vllm
-from agent_r1.task import resolve_chat
+from agent_r1.task import resolve_chat, resolve_tool_format
 from agent_r1.trainer.checkpoint import export_policy, resume, save_checkpoint
 from agent_r1.trainer.common import adamw, lr_schedule
 from agent_r1.trainer.config import TrainConfig
@@ -149,9 +150,11 @@ def train(
     # --- task: training tasks, the env factory, validation -------------------------------------------
     chat = resolve_chat(cfg.prompt_format, processor, chat_hint)
     own_task = make_env is None  # the config's task (not an env passed in) is what the policy learns
-    make_env = make_env or cfg.task.env_factory(processor, chat, cfg.rollout.max_turns, cfg.tool_format)
+    tool_format = resolve_tool_format(cfg.tool_format, chat_hint)
+    make_env = make_env or cfg.task.env_factory(processor, chat, cfg.rollout.max_turns, tool_format)
     sampler = TaskSampler(tasks if tasks is not None else cfg.task.tasks("train", 4096, cfg.seed), cfg.seed)
-    info = policy_info(cfg.model, chat, cfg.task.to_raw() if own_task else None)
+    calls = prompt_format_for(processor, chat, tool_format).tool_format
+    info = policy_info(cfg.model, chat, cfg.task.to_raw() if own_task else None, calls)
     validator = None
     if dist.main:  # greedy validation on rank 0's own engine; the other ranks wait in the next collective
         validator = make_validator(cfg, engine, None if own_task else make_env, plain, processor, chat, info, console)

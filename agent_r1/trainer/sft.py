@@ -27,7 +27,7 @@ from agent_r1.models.lora import LoraConfig, with_lora
 from agent_r1.models.precision import Device, Precision, model_device
 from agent_r1.models.vision import image_token_id, is_vision_parameter
 from agent_r1.rollout.merge import merge_trajectory
-from agent_r1.task import TaskSpec, resolve_chat
+from agent_r1.task import TaskSpec, resolve_chat, resolve_tool_format
 from agent_r1.trainer.batching import Row, image_row_key, pack, token_logprobs
 from agent_r1.trainer.checkpoint import export_policy, save_checkpoint
 from agent_r1.trainer.common import adamw, lr_schedule
@@ -133,7 +133,7 @@ def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any 
     chat = resolve_chat(cfg.prompt_format, processor, chat_hint)
 
     # the prompt prefix RL and eval will use: system (tools + instructions) and optional example
-    env = cfg.task.env_factory(processor, chat, 1, cfg.tool_format)()
+    env = cfg.task.env_factory(processor, chat, 1, resolve_tool_format(cfg.tool_format, chat_hint))()
     rows = []
     for demo in cfg.task.module.demos(cfg.task.options, env, cfg.num_examples, cfg.seed):
         seq = demo_to_sequence(env.in_model_format(demo), env.prompt_prefix, env.format, tokenizer)
@@ -203,7 +203,7 @@ def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any 
                 bar.update(task, advance=1, description=f"SFT epoch {epoch + 1}: loss {nll:.3f}")
     policy.eval()
     save_checkpoint(run_dir, step, {"policy": policy}, optimizer, scheduler, {"cursor": 0, "config": to_dict(cfg)})
-    info = policy_info(cfg.model, chat, cfg.task.to_raw(), step=step)
+    info = policy_info(cfg.model, chat, cfg.task.to_raw(), env.calls, step=step)
     export_policy(policy, processor, run_dir / "policy", info=info)
     console.print(f"SFT done: {len(rows)} demonstrations, final loss {history[-1]['loss']:.3f} -> {run_dir / 'policy'}")
     return history

@@ -92,7 +92,7 @@ def make_validator(
     spec = cfg.task.with_options(v.task, prefix="val.task.")
     return Validator(
         spec.tasks("val", v.num_tasks, cfg.seed),
-        make_env or spec.env_factory(tokenizer, chat, cfg.rollout.max_turns, cfg.tool_format),
+        make_env or spec.env_factory(tokenizer, chat, cfg.rollout.max_turns, info["tool_call_format"]["name"]),
         engine, policy, tokenizer, metric=v.metric, max_new_tokens=cfg.rollout.max_new_tokens,
         out=Path(cfg.run_dir) / "policy" if v.keep_best else None,
         records=Path(cfg.run_dir) / "val" if cfg.log.trajectories_every else None,  # agent-r1 view RUN_DIR/val

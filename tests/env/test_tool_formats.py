@@ -243,3 +243,18 @@ def test_hermes_demonstrations_for_a_template_without_tools_are_left_as_written(
     env = ToolEnv(TOOLS, ChatFormat(tokenizer))
     written = demo({"question": "What is 6 * 7?", "solution": "6 * 7"})
     assert env.in_model_format(written) == written
+
+
+def test_a_policy_is_served_in_the_tool_format_it_was_trained_with(tmp_path):
+    """agent_r1.json records the family (`tool_format=` of training, or the template's); chat, serve and
+    eval read it back for "auto", and a `tool_format=` given to them wins."""
+    from agent_r1.task import resolve_tool_format
+    from agent_r1.trainer.export import policy_info
+
+    info = policy_info("default", True, None, TOOL_FORMATS["llama3_json"])
+    call = '{"name": "tool_name", "parameters": {"argument": "value"}}'
+    assert info["tool_call_format"] == {"name": "llama3_json", "call": call, "stop": []}
+    (tmp_path / "agent_r1.json").write_text(json.dumps(info))
+    assert resolve_tool_format("auto", str(tmp_path)) == "llama3_json"
+    assert resolve_tool_format("harmony", str(tmp_path)) == "harmony"
+    assert resolve_tool_format("auto", str(tmp_path / "a-hub-model")) == "auto"  # the template decides
