@@ -41,25 +41,14 @@ Parsed = list[ParsedCall | ParseError]
 Schemas = Mapping[str, dict[str, Any]]  # tool name -> its OpenAI-style schema (`Tool.schema`)
 
 
-def _json(text: str) -> tuple[Any, str | None]:
-    """json.loads, or the one-line reason it failed (Python's own limits included)."""
+def _json(text: str, prefix: bool = False) -> tuple[Any, str | None]:
+    """json.loads (with `prefix`: the JSON value `text` starts with, whatever follows it, an end-of-turn
+    token say), or the one-line reason it failed (Python's own limits included)."""
     try:
-        return json.loads(text), None
+        return (json.JSONDecoder().raw_decode(text)[0] if prefix else json.loads(text)), None
     except json.JSONDecodeError as exc:
         return None, f"tool call is not valid JSON ({exc.msg} at char {exc.pos})"
     except ValueError:  # a number of more than 4300 digits
-        return None, "tool call is not valid JSON (a number has too many digits)"
-    except RecursionError:
-        return None, "tool call is not valid JSON (nested too deeply)"
-
-
-def _json_prefix(text: str) -> tuple[Any, str | None]:
-    """The JSON value `text` starts with (what follows it, an end-of-turn token say, is not read)."""
-    try:
-        return json.JSONDecoder().raw_decode(text)[0], None
-    except json.JSONDecodeError as exc:
-        return None, f"tool call is not valid JSON ({exc.msg} at char {exc.pos})"
-    except ValueError:
         return None, "tool call is not valid JSON (a number has too many digits)"
     except RecursionError:
         return None, "tool call is not valid JSON (nested too deeply)"
@@ -139,7 +128,7 @@ def parse_mistral(text: str, schemas: Schemas | None = None) -> Parsed:
         return []
     rest = text.split(TOOL_CALLS, 1)[1]
     if ARGS not in rest or (rest.lstrip().startswith("[") and not rest.lstrip().startswith(ARGS)):
-        obj, error = _json_prefix(rest.replace(TOOL_CALLS, " ").strip())
+        obj, error = _json(rest.replace(TOOL_CALLS, " ").strip(), prefix=True)
         if error:
             return [ParseError(error)]
         listed = obj if isinstance(obj, list) else [obj]
@@ -151,7 +140,7 @@ def parse_mistral(text: str, schemas: Schemas | None = None) -> Parsed:
             continue
         name, args = part.split(ARGS, 1)
         name = name.split(CALL_ID, 1)[0].strip()
-        obj, error = _json_prefix(args.strip())
+        obj, error = _json(args.strip(), prefix=True)
         if error or not name:
             calls.append(ParseError(error or f"a Mistral tool call needs a name before {ARGS}"))
         else:
