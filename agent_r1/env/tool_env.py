@@ -81,7 +81,7 @@ class ToolEnv:
         self.reward_fn = reward_fn
         self.instructions = instructions
         listed = list(self.schemas.values())
-        self.system = instructions if self.native else tools_prompt(listed, instructions, self.calls)
+        self.system = instructions if self.native or not listed else tools_prompt(listed, instructions, self.calls)
         self.examples = list(examples or [])
         self.max_turns = max_turns
         self.rewrite = rewrite

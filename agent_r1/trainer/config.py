@@ -51,6 +51,13 @@ class RolloutConfig:
     """asynchronous RL: how many policy versions (RL steps) older than the trainer's a trained token may
     be; rollout then runs continuously beside the update, with partial rollouts. 0 = lockstep (each
     step rolls out on the current weights, then updates); docs/training.md, Asynchronous RL"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a group whose samples all got the same outcome reward (no group-relative
+    signal) is dropped and more tasks are drawn until the step has tasks_per_step groups that differ
+    (lockstep; counted as dynamic_sampling/*; docs/training.md)"""
+    max_draws: int = 4
+    """rollout.dynamic_sampling: rounds of drawing per step at most; a step still short trains on the
+    groups it has"""
     max_batch_size: int = 64
     """rows the engine decodes together"""
     kv_cache_gb: float = 4.0
@@ -301,6 +308,11 @@ class TrainConfig:
             ),
             (self.cluster.retries >= 0, f"cluster.retries must be >= 0, got {self.cluster.retries}"),
             (r.max_staleness >= 0, f"rollout.max_staleness must be >= 0, got {r.max_staleness}"),
+            (r.max_draws >= 1, f"rollout.max_draws must be >= 1, got {r.max_draws}"),
+            (
+                not (r.dynamic_sampling and r.max_staleness),
+                "rollout.dynamic_sampling draws more tasks within a lockstep step: it needs rollout.max_staleness=0",
+            ),
             (
                 not r.max_staleness or a.old_logprobs != "rollout",
                 "rollout.max_staleness > 0 samples with older policies: algo.old_logprobs must be auto or "

@@ -204,20 +204,30 @@ def train(
 
             # 1. rollout -------------------------------------------------------------------------------
             policy.eval()
-            gather_s, async_metrics = 0.0, {}
-            if not lockstep:  # asynchronous: the groups the producer finished, none more than k updates old
-                trajs, async_metrics = _take(producer, dist)
-            elif cfg.cluster.rollout_workers:  # Ray actors, driven by rank 0
-                tasks, seed = sampler.take(cfg.rollout.tasks_per_step), cfg.seed * 1_000_003 + step
-                trajs = dist.broadcast(workers.run(tasks, cfg.rollout.group_size, seed) if workers else None)
-            else:  # this process's engine; under torchrun each rank its consecutive share of the tasks
-                tasks, seed = sampler.take(cfg.rollout.tasks_per_step), cfg.seed * 1_000_003 + step
+            gather_s, rollout_metrics = 0.0, {}
+
+            def draw(n: int, round_: int, step: int = step) -> list[Trajectory]:
+                """Roll out `n` new tasks (round 0: the step's own seed; dynamic sampling draws more)."""
+                nonlocal gather_s
+                tasks, seed = sampler.take(n), cfg.seed * 1_000_003 + step
+                seed = seed if round_ == 0 else (seed * 1_000_003 + round_) % 2**62
+                if cfg.cluster.rollout_workers:  # Ray actors, driven by rank 0
+                    return dist.broadcast(workers.run(tasks, cfg.rollout.group_size, seed) if workers else None)
+                # this process's engine; under torchrun each rank its consecutive share of the tasks
                 start_task, mine = contiguous_shards(tasks, dist.world)[dist.rank]
                 loop = AgentEnvLoop(engine, make_env, cfg.rollout.sampling(), seed=seed)
                 mine = loop.run_sync(mine, cfg.rollout.group_size, first_index=start_task * cfg.rollout.group_size)
                 t_gather = time.perf_counter()
-                trajs = [t for part in dist.gather(mine) for t in part]
-                gather_s = time.perf_counter() - t_gather  # torchrun: the ranks' trajectories to every rank
+                out = [t for part in dist.gather(mine) for t in part]
+                gather_s += time.perf_counter() - t_gather  # torchrun: the ranks' trajectories to every rank
+                return out
+
+            if not lockstep:  # asynchronous: the groups the producer finished, none more than k updates old
+                trajs, rollout_metrics = _take(producer, dist)
+            elif cfg.rollout.dynamic_sampling:  # DAPO: draw until the step's groups all carry a signal
+                trajs, rollout_metrics = dynamic_sampling(draw, cfg.rollout.tasks_per_step, cfg.rollout.max_draws)
+            else:
+                trajs = draw(cfg.rollout.tasks_per_step, 0)
             if lockstep and isinstance(engine, VLLMEngine | LocalEngine):
                 engine.sleep()  # the engine's KV memory goes to the update (on a GPU, vLLM's until the sync wakes it)
             release_memory()  # the rollout's freed blocks go back to the OS, not to a heap the update fragments
@@ -299,7 +309,7 @@ def train(
             # 7. log, validate, checkpoint -----------------------------------------------------------
             metrics = {"step": step + 1, **_rollout_metrics(trajs), **update, **off_policy, **transfer}
             metrics |= workers.take_metrics() if workers else {}  # Ray: restarts, lost and stale episodes, time
-            metrics |= async_metrics  # asynchronous: how stale the batch was, what was left out
+            metrics |= rollout_metrics  # async: how stale the batch was, what was left out; dynamic sampling
             metrics["time/trainer_idle_frac"] = (t1 - t0) / max(t4 - t0, 1e-9)  # waiting for trajectories
             if busy is not None:
                 metrics["time/engine_idle_frac"] = 1 - (engine_busy_s(rollout_engine) - busy) / max(t4 - t0, 1e-9)
@@ -389,6 +399,33 @@ def _group_runner(
     own = merged_copy(plain)
     engine = LocalEngine(own, tokenizer, **r.local_options(cfg.seed))
     return EngineGroups(engine, make_env, r.sampling(), cfg.seed)
+
+
+def dynamic_sampling(
+    draw: Callable[[int, int], list[Trajectory]], groups: int, max_draws: int
+) -> tuple[list[Trajectory], dict[str, float]]:
+    """DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476): a group whose samples all got the same
+    outcome has no group-relative advantage, so it is dropped and new tasks are drawn (`draw(n, round)`)
+    until `groups` groups differ, for `max_draws` rounds at most; a step still short trains on those it
+    has (on the first round's groups when none differed). Returns the trajectories and the counts."""
+    kept: list[list[Trajectory]] = []
+    first: list[Trajectory] = []
+    drawn = rounds = 0
+    while rounds < max_draws and len(kept) < groups:
+        batch = draw(groups - len(kept), rounds)
+        first = first or batch
+        by_group: dict[str, list[Trajectory]] = {}
+        for t in batch:
+            by_group.setdefault(t.group_id, []).append(t)
+        drawn += len(by_group)
+        rounds += 1
+        for members in by_group.values():
+            outcomes = {round(t.outcome, 6) for t in members if t.steps and t.termination != Termination.ERROR}
+            if len(outcomes) > 1:
+                kept.append(members)
+    metrics = {"dynamic_sampling/rounds": float(rounds), "dynamic_sampling/groups_drawn": float(drawn)}
+    metrics["dynamic_sampling/groups_kept"] = float(min(len(kept), groups))
+    return ([t for members in kept[:groups] for t in members] if kept else first), metrics
 
 
 def _errored_steps(trajs: list[Trajectory], so_far: int) -> int:

@@ -538,3 +538,36 @@ def test_an_rl_step_on_pictures_trains_through_the_vision_tower(tmp_path, tiny_l
     (h,) = train(cfg, model=model, tokenizer=processor)
     assert h["logprob_drift_max"] <= 1e-4
     assert max((p - before[n]).abs().max().item() for n, p in model.named_parameters() if "vision_tower" in n) > 0
+
+
+def test_dynamic_sampling_draws_until_every_group_differs(tmp_path, tokenizer):
+    """DAPO's dynamic sampling: groups whose samples all got the same reward are dropped and new tasks
+    drawn, so the step trains on tasks_per_step groups that each carry a group-relative signal."""
+    from agent_r1.trainer.rl import dynamic_sampling
+    from agent_r1.types import Step, Trajectory
+
+    def group(gid, outcomes):
+        return [Trajectory(task={}, traj_id=f"{gid}-{i}", group_id=gid, steps=[Step([1], [2], [0.0], o, done=True)])
+                for i, o in enumerate(outcomes)]  # fmt: skip
+
+    rounds = [group("a", [1, 1]) + group("b", [0, 1]), group("c", [0, 0]), group("d", [1, 0]) + group("e", [0, 1])]
+    asked = []
+
+    def draw(n, round_):
+        asked.append((n, round_))
+        return rounds[round_]
+
+    trajs, metrics = dynamic_sampling(draw, groups=2, max_draws=4)
+    assert asked == [(2, 0), (1, 1), (1, 2)]  # one group short after round 0, still short after round 1
+    assert [t.group_id for t in trajs] == ["b", "b", "d", "d"]  # the first two groups that differ, in order
+    assert metrics == {"dynamic_sampling/rounds": 3.0, "dynamic_sampling/groups_drawn": 5.0,
+                       "dynamic_sampling/groups_kept": 2.0}  # fmt: skip
+    same = dynamic_sampling(lambda n, r: group(f"z{r}", [1, 1]), groups=2, max_draws=2)
+    assert [t.group_id for t in same[0]] == ["z0", "z0"] and same[1]["dynamic_sampling/rounds"] == 2.0
+
+    cfg = toy_config(tmp_path, "steps=2", "rollout.dynamic_sampling=true", "rollout.max_draws=3")
+    _, hist = run(cfg, tokenizer)
+    assert all(1 <= h["dynamic_sampling/rounds"] <= 3 and h["dynamic_sampling/groups_kept"] <= 4 for h in hist)
+    assert all(h["dynamic_sampling/groups_drawn"] >= 4 for h in hist)
+    with pytest.raises(ValueError, match=r"rollout\.dynamic_sampling draws more tasks within a lockstep step"):
+        toy_config(tmp_path, "rollout.dynamic_sampling=true", "rollout.max_staleness=1")
