@@ -556,9 +556,15 @@ class LocalEngine:
         self._place(y, a)
 
     def _open_running_slot(self) -> int:
-        """A free slot at the end of the running region (the first parked slot moves out of the way);
-        `_fit` made room for it."""
+        """A free slot at the end of the running region (the first parked slot moves out of the way).
+        `_fit` made room for it, as it counted the slots ahead; a prompt that meant to take a parked
+        sequence over but copies it instead (the shared prefix parked meanwhile is a longer match) needs
+        one more, and the buffer grows by it."""
         b, p = len(self._running), len(self._parked)
+        cache = self._slots()
+        if b + p >= cache.slots:
+            cache.reserve(b + p + 1, cache.capacity)
+            self._slot += [None] * (cache.slots - len(self._slot))
         if p:
             self._move(self._slot[b], b + p)
         return b
@@ -634,7 +640,9 @@ class LocalEngine:
             groups.setdefault(tuple(s.key), []).append(s)
         firsts = [g[0] for g in groups.values()]
         hits = [self._lookup(s.key, len(s.key) - 1) for s in firsts]
-        continued = {e for e, m in hits if e is not None and m == len(e.tokens)}
+        whole = Counter(id(e) for e, m in hits if e is not None and m == len(e.tokens))
+        # an entry several prompts continue whole (a parked shared prefix) is copied, not taken over
+        continued = {e for e, m in hits if e is not None and m == len(e.tokens) and whole[id(e)] == 1}
         # rows that take a parked slot over need no new one, and their slots must not be evicted for them
         slots = len(self._running) + len(new) - len(continued) + 1  # + 1 for a shared prefix
         self._fit(slots, max(len(s.prompt) + s.budget for s in new), keep=continued)
