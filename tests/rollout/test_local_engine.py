@@ -465,3 +465,22 @@ def test_sliding_window_layers_see_only_their_window(tokenizer):
     model.config.sliding_window = 1024  # the same model without the window: other log-probs
     with pytest.raises(AssertionError):
         assert_logprobs_match_a_plain_forward(model, prompts, outs)
+
+
+def test_a_running_slot_opens_in_a_full_buffer_and_the_parked_keys_move_intact(tiny_model, tokenizer):
+    """`_fit` counts ahead the slots an admission needs. A prompt that meant to take a parked sequence over
+    but copies a longer-matching shared prefix instead needs one slot more: opening a running slot in a
+    full buffer grows it, and the parked sequence moves with its keys (before: an IndexError, in 64 of the
+    128 episodes of the reasoning-gym eval after SFT)."""
+    engine = LocalEngine(tiny_model, tokenizer, seed=0)
+    cache = engine._slots()
+    cache.reserve(2, 32)  # two slots, both taken: a running row and a parked sequence
+    cache.read_up_to(32)
+    cache.buf[:, :, 1, :, :20] = 7.0
+    row = local_engine._Seq([5] * 8, SamplingParams(), 0, None, 0, None, None, None)
+    parked = local_engine._Parked(list(range(20)), 1, [], 0)
+    engine._running, engine._parked, engine._slot = [row], [parked], [row, parked]
+    row.slot = 0
+    assert engine._open_running_slot() == 1
+    assert cache.slots == 3 and parked.slot == 2 and engine._slot == [row, None, parked]
+    assert (cache.buf[:, :, 2, :, :20] == 7.0).all()
