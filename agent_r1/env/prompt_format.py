@@ -14,6 +14,7 @@ image was, so it is told rather than crashed.
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 from typing import Any, Protocol
 
@@ -33,6 +34,7 @@ NO_VISION = "[an image: this model reads text only]"  # what a text-only model s
 class PromptFormat(Protocol):
     stop: tuple[str, ...]  # stop strings the format needs (a base model would write the next turn)
     tool_format: ToolFormat  # how the model writes tool calls (agent_r1.env.tool_formats)
+    native_tools: bool  # the chat template renders the tools and their results itself (`with_tools`)
 
     def initial(self, messages: list[Message]) -> list[int]:
         """Ids of a whole conversation, ending with the opening of an assistant turn."""
@@ -68,7 +70,7 @@ class ChatFormat:
         self.encoder = images
         self.tool_format = tool_format(self.template, tool_format_name)
         # the template renders a `tools` list itself (Qwen, Llama 3, Mistral, gpt-oss, ...): `with_tools`
-        self.native_tools = "tools" in jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(self.template))
+        self.native_tools = _renders_tools(self.template)
         self.tools: list[dict[str, Any]] | None = None
 
     def with_tools(self, schemas: list[dict[str, Any]]) -> ChatFormat:
@@ -140,6 +142,13 @@ class ChatFormat:
         for end in self.tool_format.stop:  # a call turn ends with its stop string, which the model wrote
             delta = delta.removeprefix(end)
         return self._encode(delta, self.images(messages))
+
+
+@functools.cache
+def _renders_tools(template: str) -> bool:
+    """Whether a chat template reads a `tools` variable (parsed once per template: formats are made per
+    episode)."""
+    return "tools" in jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))
 
 
 class TextFormat:

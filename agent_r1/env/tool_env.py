@@ -76,11 +76,11 @@ class ToolEnv:
         self.calls = prompt_format.tool_format  # the syntax the model writes its calls in
         # a template that renders tools itself gets them through apply_chat_template(tools=...), and the
         # results as "tool" messages; otherwise our hermes-style system prompt and <tool_response> turns
-        self.native = prompt_format.native_tools and self.tools
-        self.format = prompt_format.with_tools(list(self.schemas.values())) if self.native else prompt_format
+        listed = list(self.schemas.values())
+        self.native = bool(prompt_format.native_tools and listed)
+        self.format = prompt_format.with_tools(listed) if self.native else prompt_format
         self.reward_fn = reward_fn
         self.instructions = instructions
-        listed = list(self.schemas.values())
         self.system = instructions if self.native or not listed else tools_prompt(listed, instructions, self.calls)
         self.examples = list(examples or [])
         self.max_turns = max_turns
