@@ -58,8 +58,7 @@ def template_messages(messages: list[ChatMessage], tools: list[dict], fmt: Promp
             calls = [(c.function.name, _arguments(c.function.arguments, i)) for c in m.tool_calls or []]
             out.append({"role": "assistant", "content": calls_format.write_turn(text, calls) if calls else text})
         else:
-            images = [{"type": "image", "image": url} for url in message_images(m)]
-            out.append({"role": "user", "content": [*images, {"type": "text", "text": text}] if images else text})
+            out.append(_user_message(m, text))
     if results:
         out.append({"role": "user", "content": format_tool_responses(results, shown)})
     if tools:
@@ -87,9 +86,14 @@ def _structured(messages: list[ChatMessage]) -> list[Message]:
         elif m.role in ("system", "developer"):
             out.append({"role": "system", "content": text})
         else:
-            images = [{"type": "image", "image": url} for url in message_images(m)]
-            out.append({"role": "user", "content": [*images, {"type": "text", "text": text}] if images else text})
+            out.append(_user_message(m, text))
     return out
+
+
+def _user_message(m: ChatMessage, text: str) -> Message:
+    """A user turn: its image_url parts as images before its text."""
+    images = [{"type": "image", "image": url} for url in message_images(m)]
+    return {"role": "user", "content": [*images, {"type": "text", "text": text}] if images else text}
 
 
 def message_text(m: ChatMessage, i: int, images: bool = False) -> str:

@@ -20,8 +20,8 @@ from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.env.tool_calls import extract_answer, format_tool_call, format_tool_responses
 from agent_r1.env.tool_env import ToolEnv
 from agent_r1.rewards import answer_format
+from agent_r1.tasks.calculator import calculator_result
 from agent_r1.tools import calculator, python_tool
-from agent_r1.tools.calculator import evaluate, format_number
 from agent_r1.types import Message
 
 KIND_KEY = "dataset"  # eval reports accuracy per generator
@@ -165,7 +165,7 @@ def demos(options: Options, env: ToolEnv, n: int, seed: int = 0) -> list[list[Me
 def demo(task: dict[str, Any], tool: str = "calculator") -> list[Message]:
     messages: list[Message] = [{"role": "user", "content": task["question"]}]
     expression = str(task["metadata"].get("expression", ""))
-    if tool != "none" and expression and _computes(expression, task["answer"]):
+    if tool != "none" and expression and calculator_result(expression) == task["answer"]:
         name, args = (
             ("calculator", {"expression": expression})
             if tool == "calculator"
@@ -176,12 +176,3 @@ def demo(task: dict[str, Any], tool: str = "calculator") -> list[Message]:
             {"role": "user", "content": format_tool_responses([task["answer"]])},
         ]
     return [*messages, {"role": "assistant", "content": f"<answer>{task['answer']}</answer>"}]
-
-
-def _computes(expression: str, answer: str) -> bool:
-    """Whether the calculator gives the item's answer for its expression (a demonstration shows a call
-    only where the real tool answers it)."""
-    try:
-        return format_number(evaluate(expression)) == answer
-    except (ValueError, ZeroDivisionError, OverflowError, SyntaxError, TypeError):
-        return False

@@ -93,9 +93,9 @@ def run_export(cfg: ExportConfig) -> Path:
     fmt = config.get("prompt_format", "auto")
     chat = is_chat_model(config["model"], tokenizer) if fmt == "auto" else fmt == "chat"
     meta = json.loads((checkpoint / "meta.json").read_text())
-    calls = prompt_format_for(tokenizer, chat, resolve_tool_format(config.get("tool_format", "auto"), config["model"]))
+    fmt = prompt_format_for(tokenizer, chat, resolve_tool_format(config.get("tool_format", "auto"), config["model"]))
     info = policy_info(
-        config["model"], chat, meta.get("task", config.get("task")), calls.tool_format,  # RL: None for an env passed in
+        config["model"], chat, meta.get("task", config.get("task")), fmt.tool_format,  # RL: None for an env passed in
         exported_from=str(checkpoint.resolve()),
         step=meta.get("step"),
         lora_merged=bool((config.get("lora") or {}).get("enabled")),
