@@ -32,7 +32,7 @@ from transformers.utils import get_json_schema
 _EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="agent-r1-tool")
 
 _MAX_ERROR_CHARS = 300  # dynamic parts of error messages (exception text, names) are cut to this
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # what OpenAI-style APIs accept as a function name
+TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # what OpenAI-style APIs accept as a function name
 
 ERROR_KINDS = ("unknown_tool", "invalid_arguments", "exception", "timeout")
 
@@ -65,8 +65,8 @@ class Tool:
     _validator: jsonschema.protocols.Validator = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not _NAME_RE.match(self.name):
-            raise ValueError(f"tool name {self.name!r} must match {_NAME_RE.pattern}")
+        if not TOOL_NAME_RE.match(self.name):
+            raise ValueError(f"tool name {self.name!r} must match {TOOL_NAME_RE.pattern}")
         if self.timeout <= 0 or self.max_output_chars <= 0:
             raise ValueError(f"tool {self.name}: timeout and max_output_chars must be positive")
         # Built once here so a broken schema fails when the tool is defined, not mid-rollout.

@@ -34,7 +34,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from agent_r1.tools.base import _NAME_RE, Tool, ToolResult
+from agent_r1.tools.base import TOOL_NAME_RE, Tool, ToolResult
 
 
 class MCPServer:
@@ -162,9 +162,10 @@ class MCPServer:
     def _tool(self, spec: Any) -> Tool | None:
         """A `Tool` for one listed MCP tool, or None (with a warning) when its name or schema is unusable."""
         name = self.prefix + spec.name
-        if not _NAME_RE.match(name):
+        if not TOOL_NAME_RE.match(name):
             warnings.warn(
-                f"MCP server {self.label}: tool {name!r} skipped (names must match {_NAME_RE.pattern})", stacklevel=2
+                f"MCP server {self.label}: tool {name!r} skipped (names must match {TOOL_NAME_RE.pattern})",
+                stacklevel=2,
             )
             return None
 
