@@ -9,7 +9,9 @@ The policy acts in one of two ways:
 - **tool** (default): the action schema is one function tool (`tool_name`). The model writes the call in
   its family's syntax (`tool_formats`) like any tool call, and the observation is the tool's result. The
   composed `ToolEnv` does the prompt, the parsing and the results turn, so an OpenEnv episode's tokens
-  are built exactly as every other tool episode's. A turn without a call ends the episode.
+  are built exactly as every other tool episode's. An MCP environment (OpenEnv RFC 003, whose action is
+  `CallToolAction`) offers its own tools instead, listed at reset and each called through `step`. A
+  turn without a call ends the episode.
 - **text** (`action_field`): the whole response is that string field of the action (text games, where
   the action is the message), and the observation is the next user turn.
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -44,6 +47,7 @@ from agent_r1.env.base import StepResult
 from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.env.tool_env import ToolEnv, truncate_to_tokens
 from agent_r1.tools import Tool, ToolResult
+from agent_r1.tools.base import TOOL_NAME_RE
 from agent_r1.types import Action, Observation, Termination
 
 INSTALL = "pip install openenv-core==0.3.0"
@@ -108,12 +112,17 @@ class OpenEnvEnv:
         self.shown: list[str] = []  # every observation shown so far (the state GiGPO groups steps by)
         self._lock = asyncio.Lock()  # one env step at a time, even when a turn holds several calls
         first = await self._open(task)
-        text = self._shown_text(first)  # a malformed first observation is an errored episode
+        shown, _ = self._shown(first)  # a malformed first observation is an errored episode
+        # the task's question (a data row's) comes first; MCP envs often show nothing at reset
+        text = "\n\n".join(part for part in (str(task.get("question") or ""), shown) if part)
+        if not text:
+            raise ValueError("the env's reset observation is empty and the task has no question to ask")
         if self.action_field is None:
-            tool = await self._action_tool()
+            schema = await self._action_schema()
+            tools = await self._mcp_tools() if _is_mcp(schema) else [self._action_tool(schema)]
             # the turn cap is ours (every action runs, the last one too), so the ToolEnv gets one more
             self.tools = ToolEnv(
-                {tool.name: tool},
+                {t.name: t for t in tools},
                 self.format,
                 instructions=self.instructions,
                 max_turns=self.max_turns + 1,
@@ -194,9 +203,8 @@ class OpenEnvEnv:
             await asyncio.sleep(delay * (0.5 + random.random()))  # jittered: waiting episodes do not retry in step
             delay = min(delay * 2, 1.0)
 
-    async def _action_tool(self) -> Tool:
-        """The env's action as one function tool: the action schema's fields (less OpenEnv's `metadata`)
-        are its parameters, the action's docstring its description."""
+    async def _action_schema(self) -> dict[str, Any]:
+        """The action's JSON schema from the server's /schema (once per server and process)."""
         if self.url not in _SCHEMAS:
             import httpx
 
@@ -205,9 +213,13 @@ class OpenEnvEnv:
                     response = await http.get(f"{_http(self.url)}/schema")
                     response.raise_for_status()
                     _SCHEMAS[self.url] = response.json()["action"]
-            except (httpx.HTTPError, ValueError, KeyError) as exc:
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
                 raise EnvServerError(f"OpenEnv server {self.url}: no action schema at /schema ({exc!r})") from None
-        schema = _SCHEMAS[self.url]
+        return _SCHEMAS[self.url]
+
+    def _action_tool(self, schema: dict[str, Any]) -> Tool:
+        """The env's action as one function tool: the action schema's fields (less OpenEnv's `metadata`)
+        are its parameters, the action's docstring its description."""
         properties = {k: v for k, v in schema.get("properties", {}).items() if k != "metadata"}
         parameters: dict[str, Any] = {"type": "object", "properties": properties}
         if required := [k for k in schema.get("required", []) if k in properties]:
@@ -218,8 +230,28 @@ class OpenEnvEnv:
         # the server's reply is awaited for timeout_s by the client itself; the tool's own timeout is a backstop
         return Tool(self.tool_name, description, parameters, self._act, timeout=self.timeout_s + 5.0)
 
+    async def _mcp_tools(self) -> list[Tool]:
+        """An MCP environment's tools (OpenEnv RFC 003: listed and called through step), each offered
+        to the model as itself; a name the model could not call is left out."""
+        try:
+            listed = (await self.client.step({"type": "list_tools"})).observation["tools"]
+            specs = [(t["name"], t.get("description") or t["name"], t.get("input_schema") or {}) for t in listed]
+        except (RuntimeError, KeyError, TypeError) as exc:
+            raise EnvServerError(f"OpenEnv server {self.url}: its MCP tools could not be listed ({exc!r})") from None
+        tools = [
+            Tool(name, description, schema, functools.partial(self._call, name), timeout=self.timeout_s + 5.0)
+            for name, description, schema in specs
+            if isinstance(name, str) and TOOL_NAME_RE.match(name)
+        ]
+        if not tools:
+            raise EnvServerError(f"OpenEnv server {self.url} lists no MCP tool a model can call")
+        return tools
+
     async def _act(self, **action: Any) -> ToolResult:
         return await self._step(action)
+
+    async def _call(self, tool: str, /, **arguments: Any) -> ToolResult:
+        return await self._step({"type": "call_tool", "tool_name": tool, "arguments": arguments})
 
     async def _step(self, action: dict[str, Any]) -> ToolResult:
         """One env step. What the model or the env got wrong is an error observation; a session that
@@ -238,16 +270,16 @@ class OpenEnvEnv:
                 self.broken = EnvServerError(f"OpenEnv server {self.url} failed a step: {exc!r}")
                 return ToolResult(f"Error: {exc!r}", error="env_error")
             try:
-                text = self._shown_text(result)
+                text, error = self._shown(result)
             except ValueError as exc:
                 return ToolResult(f"Error: {exc}", error="malformed_observation")
-            reward = result.reward
-            self.done = result.done is True
-            return ToolResult(text, reward=None if reward is None else float(reward))
+            self.done = result.done
+            return ToolResult(text, reward=None if result.reward is None else float(result.reward), error=error)
 
-    def _shown_text(self, result: Any) -> str:
-        """The observation as the model reads it: the chosen field, the only field, or all of them as JSON
-        (less done/reward/metadata). Raises ValueError on what is not an OpenEnv observation."""
+    def _shown(self, result: Any) -> tuple[str, str | None]:
+        """The observation as the model reads it, and the error kind of an MCP tool's failure (else None).
+        Shown: an MCP call's result text, the chosen field, the only field, or every field as JSON (less
+        done/reward/metadata). Raises ValueError on what is not an OpenEnv observation."""
         observation, reward, done = result.observation, result.reward, result.done
         if not isinstance(observation, dict):
             raise ValueError(f"the env's observation is not an object: {_cut(observation)}")
@@ -256,19 +288,38 @@ class OpenEnvEnv:
         if not isinstance(done, bool):
             raise ValueError(f"the env's done is not true/false: {_cut(done)}")
         fields = {k: v for k, v in observation.items() if k not in HIDDEN}
-        if self.observation_field is not None:
+        error = None
+        if "tool_name" in fields and fields.keys() <= {"tool_name", "result", "error"}:  # CallToolObservation
+            value, error = _mcp_result(fields)
+        elif self.observation_field is not None:
             if self.observation_field not in fields:
                 raise ValueError(f"the observation has no field {self.observation_field!r} (it has {sorted(fields)})")
             value = fields[self.observation_field]
         elif len(fields) == 1:
             (value,) = fields.values()
         else:
-            value = fields
+            value = fields or ""
         text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
         if self.action_field is not None and self.max_observation_tokens is not None:
             text = truncate_to_tokens(text, self.format.tokenizer, self.max_observation_tokens)[0]
         self.shown.append(text)
-        return text
+        return text, error
+
+
+def _is_mcp(schema: dict[str, Any]) -> bool:
+    """Whether the server's action is an MCP tool call (an MCP environment's `CallToolAction`)."""
+    return {"tool_name", "arguments"} <= set(schema.get("properties", {}))
+
+
+def _mcp_result(fields: dict[str, Any]) -> tuple[str, str | None]:
+    """A CallToolObservation's text: the tool's text content, or its error's message (kind tool_error)."""
+    if isinstance(error := fields.get("error"), dict):
+        return f"Error: {error.get('message', error)}", "tool_error"
+    result = fields.get("result")
+    if not isinstance(result, dict) or not isinstance(result.get("content"), list):
+        return json.dumps(result, ensure_ascii=False, default=str), None
+    text = "\n".join(c.get("text", "") for c in result["content"] if isinstance(c, dict) and c.get("type") == "text")
+    return (f"Error: {text}", "tool_error") if result.get("is_error") else (text, None)
 
 
 def _http(url: str) -> str:

@@ -2,7 +2,8 @@
 
 `app` is a real OpenEnv server (`create_app`) whose env does what the action's `op` says: answer, end the
 episode, sleep past the client's timeout, or raise. It takes 2 sessions at once, so a third waits.
-Under `/raw` is a server that speaks OpenEnv's WebSocket protocol but answers with what an OpenEnv env
+Under `/quiz` is an MCP environment (tools listed and called through step, as OpenEnv's RFC 003 has
+them). Under `/raw` is a server that speaks OpenEnv's WebSocket protocol but answers with what an OpenEnv env
 cannot produce (a string observation, a text reward): the malformed observations a broken or foreign
 server sends.
 """
@@ -13,7 +14,17 @@ import json
 import time
 
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
-from openenv.core.env_server import Action, Environment, Observation, State, create_app
+from fastmcp import FastMCP
+from openenv.core.env_server import (
+    Action,
+    CallToolAction,
+    CallToolObservation,
+    Environment,
+    MCPEnvironment,
+    Observation,
+    State,
+    create_app,
+)
 from pydantic import Field
 
 
@@ -87,3 +98,52 @@ async def ws(websocket: WebSocket) -> None:
 
 
 app.mount("/raw", raw)
+
+
+class QuizEnvironment(MCPEnvironment):
+    """An MCP environment (OpenEnv RFC 003): its tools are listed and called through step(). `add` is
+    a plain tool; `submit` ends the episode, rewarded 1 when it is the reset's a + b."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self) -> None:
+        mcp = FastMCP("quiz")
+
+        @mcp.tool
+        def add(a: int, b: int) -> int:
+            """Add two whole numbers."""
+            return a + b
+
+        @mcp.tool
+        def hint() -> str:
+            """A hint (this one is out of order)."""
+            raise ValueError("no hints today")
+
+        @mcp.tool
+        def submit(answer: int) -> str:
+            """Submit the final answer."""
+            return "submitted"
+
+        super().__init__(mcp)
+        self._state, self.sum = State(step_count=0), 0
+
+    def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs) -> Observation:
+        self._state, self.sum = State(episode_id=episode_id, step_count=0), 2 * (seed or 0) + 1
+        return Observation()  # MCP envs commonly show nothing at reset: the task's question is the prompt
+
+    async def step_async(self, action: Action, timeout_s: float | None = None, **kwargs) -> Observation:
+        observation = await super().step_async(action, timeout_s=timeout_s, **kwargs)
+        if isinstance(action, CallToolAction) and action.tool_name == "submit":
+            observation.reward = float(action.arguments.get("answer") == self.sum)
+            observation.done = True
+        return observation
+
+    def _step_impl(self, action: Action, timeout_s: float | None = None, **kwargs) -> Observation:
+        return Observation(metadata={"error": "only MCP tool calls are actions here"})
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+
+app.mount("/quiz", create_app(QuizEnvironment, CallToolAction, CallToolObservation, env_name="quiz"))

@@ -15,6 +15,7 @@ from agent_r1.rollout.agent_loop import AgentEnvLoop
 from agent_r1.rollout.engine import GenerateOutput, SamplingParams
 from agent_r1.rollout.merge import merge_trajectories
 from agent_r1.types import Termination
+from tests.rollout.test_agent_loop import ScriptedEngine
 
 pytest.importorskip("openenv.core", reason="the envs extra (pip install -e .[envs]) brings openenv-core")
 
@@ -177,3 +178,25 @@ class Script:
             out = f'<tool_call>{{"name": "act", "arguments": {{"op": "{op}", "seconds": 3}}}}</tool_call>'
         ids = self.tok.encode(out)
         return [GenerateOutput(ids, [-1.0] * len(ids), out, "stop", len(prompts[0]))]
+
+
+def test_an_mcp_environments_tools_are_offered_as_themselves(ops_url, tokenizer):
+    """OpenEnv's MCP environments (RFC 003): the listed tools are the model's, each call one step; the
+    question comes from the task (the reset shows nothing); a tool's own error is an error observation."""
+    call = '<tool_call>{{"name": "{}", "arguments": {}}}</tool_call>'
+    script = [
+        call.format("add", '{"a": 3, "b": 4}'),
+        call.format("add", '{"a": 1}'),
+        call.format("hint", "{}"),
+        call.format("submit", '{"answer": 7}'),
+    ]
+    fmt = ChatFormat(tokenizer)
+    loop = AgentEnvLoop(ScriptedEngine(tokenizer, script), lambda: OpenEnvEnv(f"{ops_url}/quiz", fmt), SamplingParams())
+    (t,) = loop.run_sync([{"seed": 3, "question": "What is 3 + 4?"}])  # the quiz's answer is 2 * seed + 1 = 7
+    assert t.error is None and t.termination == Termination.ANSWERED and t.reward == 1.0
+    assert t.steps[0].info["tool_results"][0]["output"] == "7"
+    assert t.steps[1].info["tool_errors"] == {"invalid_arguments": 1}  # caught by the listed schema, never sent
+    assert t.steps[2].info["tool_errors"] == {"tool_error": 1}  # the tool raised on the server
+    assert "no hints today" in t.steps[2].info["tool_results"][0]["output"]
+    prompt = tokenizer.decode(t.steps[0].prompt_ids)
+    assert "What is 3 + 4?" in prompt and "Add two whole numbers." in prompt and "Submit the final answer." in prompt
