@@ -13,6 +13,7 @@ from agent_r1.observe.health import HealthConfig
 from agent_r1.observe.loggers import LogConfig
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.task import TaskSpec
+from agent_r1.trainer.curriculum import CurriculumConfig
 
 Estimator = Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "turn_grpo", "gigpo", "ppo"]
 
@@ -265,6 +266,8 @@ class TrainConfig:
     """validation during training and best-checkpoint selection"""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Ray rollout workers (training on N processes is torchrun's: docs/distributed.md)"""
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    """a task option raised value by value as the policy masters each (agent_r1/trainer/curriculum.py)"""
 
     def __post_init__(self) -> None:
         a, r, o = self.algo, self.rollout, self.optim
@@ -309,6 +312,11 @@ class TrainConfig:
             (self.cluster.retries >= 0, f"cluster.retries must be >= 0, got {self.cluster.retries}"),
             (r.max_staleness >= 0, f"rollout.max_staleness must be >= 0, got {r.max_staleness}"),
             (r.max_draws >= 1, f"rollout.max_draws must be >= 1, got {r.max_draws}"),
+            (
+                not self.curriculum.option or not (r.max_staleness or self.cluster.rollout_workers),
+                "curriculum changes the task between lockstep steps on this process's engine: it needs "
+                "rollout.max_staleness=0 and cluster.rollout_workers=0",
+            ),
             (
                 not (r.dynamic_sampling and r.max_staleness),
                 "rollout.dynamic_sampling draws more tasks within a lockstep step: it needs rollout.max_staleness=0",

@@ -64,11 +64,12 @@ from agent_r1.rollout.merge import merge_trajectory
 from agent_r1.rollout.producer import STALL_GROUPS, AsyncRollout, EngineGroups, GroupRunner, RolloutStalled
 from agent_r1.rollout.remote_engine import RemoteEngine
 from agent_r1.rollout.vllm_engine import VLLMEngine, import_vllm
-from agent_r1.task import resolve_chat, resolve_tool_format
+from agent_r1.task import TaskSpec, resolve_chat, resolve_tool_format
 from agent_r1.trainer.checkpoint import export_policy, resume, save_checkpoint
 from agent_r1.trainer.common import adamw, lr_schedule
 from agent_r1.trainer.config import TrainConfig
 from agent_r1.trainer.critic import Critic, fill_old_values, set_gae
+from agent_r1.trainer.curriculum import Curriculum
 from agent_r1.trainer.export import policy_info
 from agent_r1.trainer.reference import reference_policy
 from agent_r1.trainer.rows import (
@@ -151,8 +152,16 @@ def train(
     chat = resolve_chat(cfg.prompt_format, processor, chat_hint)
     own_task = make_env is None  # the config's task (not an env passed in) is what the policy learns
     tool_format = resolve_tool_format(cfg.tool_format, chat_hint)
-    make_env = make_env or cfg.task.env_factory(processor, chat, cfg.rollout.max_turns, tool_format)
-    sampler = TaskSampler(tasks if tasks is not None else cfg.task.tasks("train", 4096, cfg.seed), cfg.seed)
+    given_env = make_env
+
+    def stage(task: TaskSpec) -> tuple[TaskSampler, Callable[[], Env]]:
+        """The training tasks and env factory of `task` (a curriculum rebuilds them at each new stage)."""
+        draws = tasks if tasks is not None else task.tasks("train", 4096, cfg.seed)
+        env = given_env or task.env_factory(processor, chat, cfg.rollout.max_turns, tool_format)
+        return TaskSampler(draws, cfg.seed), env
+
+    curriculum = Curriculum(cfg.curriculum, cfg.task) if cfg.curriculum.option and own_task else None
+    sampler, make_env = stage(curriculum.task if curriculum else cfg.task)
     calls = prompt_format_for(processor, chat, tool_format).tool_format
     info = policy_info(cfg.model, chat, cfg.task.to_raw() if own_task else None, calls)
     validator = None
@@ -165,6 +174,9 @@ def train(
 
     start, meta = 0, None
     if cfg.resume and (meta := resume(run_dir, to_dict(cfg), modules, optimizer, scheduler, RESUMABLE_CHANGES, dist)):
+        if curriculum and meta.get("curriculum"):  # the stage it had reached, then that stage's cursor
+            curriculum = Curriculum(cfg.curriculum, cfg.task, meta["curriculum"])
+            sampler, make_env = stage(curriculum.task)
         start, sampler.cursor = meta["step"], meta["cursor"]
         if validator:
             validator.restore(meta.get("best"))
@@ -206,7 +218,7 @@ def train(
             policy.eval()
             gather_s, rollout_metrics = 0.0, {}
 
-            def draw(n: int, round_: int, step: int = step) -> list[Trajectory]:
+            def draw(n: int, round_: int, step: int = step, sampler=sampler, make_env=make_env) -> list[Trajectory]:
                 """Roll out `n` new tasks (round 0: the step's own seed; dynamic sampling draws more)."""
                 nonlocal gather_s
                 tasks, seed = sampler.take(n), cfg.seed * 1_000_003 + step
@@ -326,6 +338,11 @@ def train(
                 "time/step": t4 - t0,
                 "tokens_per_s/update": update["train_tokens"] / max(t3 - t2, 1e-9),
             }
+            if curriculum:  # mastered: the next steps draw the next value's tasks
+                if curriculum.update(metrics["accuracy"]):
+                    sampler, make_env = stage(curriculum.task)
+                    console.print(f"curriculum: task.{cfg.curriculum.option}={curriculum.value} from step {step + 2}")
+                metrics["curriculum/stage"] = curriculum.stage
             metrics |= health.update(metrics)
             if validator and ((step + 1) % cfg.val.every == 0 or step + 1 == cfg.steps):
                 release_memory()  # the update's freed heap (0.4 GB in the demo) before the validation's keys
@@ -337,6 +354,7 @@ def train(
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                 best = validator.best if validator else None  # a resumed run keeps its best step
                 extra = {"cursor": sampler.cursor, "config": to_dict(cfg), "best": best, "task": info["task"]}
+                extra |= {"curriculum": curriculum.state()} if curriculum else {}
                 if producer:  # the position it will start next, and the groups started but not yet trained
                     state = producer.state()  # one snapshot: the cursor and the pending groups agree
                     extra |= {"cursor": state["cursor"], "async": state}
