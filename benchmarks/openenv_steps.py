@@ -10,7 +10,6 @@ adapter's: prompt building, call parsing, one WebSocket round trip per step. Epi
 from __future__ import annotations
 
 import argparse
-import asyncio
 import re
 import time
 

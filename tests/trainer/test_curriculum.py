@@ -98,7 +98,7 @@ def test_a_value_the_task_refuses_fails_at_the_start():
 
 
 def test_it_needs_lockstep_rollouts(tmp_path):
-    with pytest.raises(ValueError, match="curriculum .* needs rollout.max_staleness=0"):
+    with pytest.raises(ValueError, match=r"curriculum .* needs rollout\.max_staleness=0"):
         toy_config(tmp_path, "curriculum.option=ops", "curriculum.values=[[1],[2]]", "rollout.max_staleness=1")
 
 
