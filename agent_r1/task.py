@@ -38,7 +38,7 @@ from agent_r1.data import Split
 from agent_r1.env.base import Env
 from agent_r1.env.prompt_format import prompt_format_for
 
-BUILTIN_TASKS = ("calculator", "digits", "gateway", "gsm8k", "hotpotqa", "openenv", "reasoning_gym")
+BUILTIN_TASKS = ("calculator", "digits", "gateway", "gsm8k", "hotpotqa", "openenv", "reasoning_gym", "tau2")
 REQUIRED = ("Options", "tasks", "make_env")
 
 

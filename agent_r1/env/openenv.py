@@ -26,7 +26,6 @@ answers slower than `timeout_s` ends the episode as errored (counted by the trai
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import functools
 import hashlib
@@ -34,12 +33,7 @@ import json
 import math
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from typing import Any
 
@@ -49,12 +43,12 @@ from agent_r1.env.tool_env import ToolEnv, truncate_to_tokens
 from agent_r1.tools import Tool, ToolResult
 from agent_r1.tools.base import TOOL_NAME_RE
 from agent_r1.types import Action, Observation, Termination
+from agent_r1.utils import servers
+from agent_r1.utils.servers import stop_local_servers  # noqa: F401 (re-exported: the tests stop them)
 
 INSTALL = "pip install openenv-core==0.3.0"
 HIDDEN = ("done", "reward", "metadata")  # observation fields that are the env's bookkeeping, not shown
 _SCHEMAS: dict[str, dict[str, Any]] = {}  # server URL -> its action schema, fetched once per process
-_SERVERS: dict[str, tuple[subprocess.Popen, str]] = {}  # app import path -> (its server process, its URL)
-_SERVERS_LOCK = threading.Lock()
 
 
 def generic_client() -> type:
@@ -334,66 +328,11 @@ def _cut(value: Any, limit: int = 80) -> str:
 
 def local_server(app: str, startup_s: float = 60.0) -> str:
     """The URL of `app` (`pkg.module:app`, an OpenEnv FastAPI app, imported from the working directory)
-    served by uvicorn on 127.0.0.1, started on first use in this process and stopped when it exits.
+    served by uvicorn on 127.0.0.1, started on first use in this process and stopped when it exits
+    (agent_r1/utils/servers.py). An app that cannot start is a one-line error with the last line it printed."""
 
-    A child process, not a thread: the env's own work does not hold this process's GIL, and an env
-    that crashes takes only its server down (the next episode starts it again). An app that cannot
-    start is a one-line error with the last line it printed."""
-    import httpx
+    def command(port: int) -> list[str]:
+        uvicorn = [sys.executable, "-m", "uvicorn", app, "--app-dir", os.getcwd(), "--log-level", "warning"]
+        return [*uvicorn, "--host", "127.0.0.1", "--port", str(port)]
 
-    with _SERVERS_LOCK:
-        running = _SERVERS.get(app)
-        if running is not None and running[0].poll() is None:
-            return running[1]
-        for attempt in range(3):  # the free port may be taken before uvicorn binds it: try another
-            port = _free_port()
-            command = [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port)]
-            command += ["--app-dir", os.getcwd(), "--log-level", "warning"]
-            with tempfile.TemporaryFile() as log:  # what it prints, for the error if it cannot start
-                proc = subprocess.Popen(
-                    command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-                )
-                atexit.register(_stop, proc)
-                url = f"http://127.0.0.1:{port}"
-                deadline = time.monotonic() + startup_s
-                while proc.poll() is None:
-                    with contextlib.suppress(httpx.HTTPError):
-                        if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                            _SERVERS[app] = (proc, url)
-                            return url
-                    if time.monotonic() > deadline:
-                        _stop(proc)
-                        raise RuntimeError(f"OpenEnv app {app} did not answer {url}/health within {startup_s:g}s")
-                    time.sleep(0.1)
-                log.seek(0)
-                lines = log.read().decode(errors="replace").strip().splitlines()
-            last = lines[-1].strip() if lines else f"exit code {proc.returncode}"
-            if "address already in use" not in last.lower() or attempt == 2:
-                raise RuntimeError(f"OpenEnv app {app} exited at start: {last}")
-    raise AssertionError("unreachable")
-
-
-def stop_local_servers() -> None:
-    """Stop every server `local_server` started in this process (also done at exit)."""
-    with _SERVERS_LOCK:
-        for proc, _ in _SERVERS.values():
-            _stop(proc)
-        _SERVERS.clear()
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return servers.local_server(app, command, f"OpenEnv app {app}", startup_s)

@@ -169,18 +169,7 @@ class ToolEnv:
         info["tool_calls"] = sum(1 for p in parsed if not isinstance(p, ParseError))
         info["format_errors"] = sum(1 for p in parsed if isinstance(p, ParseError))
         info["tool_errors"] = dict(errors)
-        tool_turn = self._results_turn(parsed, outputs, shown)
-        self.messages.extend(tool_turn)
-        if self.rewrite is None:
-            self.context = (
-                self.context
-                + action.token_ids
-                + self.format.continuation(tool_turn, after_eos=action.finish_reason == "eos")
-            )
-            self.images += self.format.images(tool_turn)
-        else:
-            rewritten = self.rewrite(list(self.messages))
-            self.context, self.images = self.format.initial(rewritten), self.format.images(rewritten)
+        self._extend(action, self._results_turn(parsed, outputs, shown))
         reward = sum(rewards) if rewards else None  # process reward from the tools, if any gave one
         before = self.potential(self.task, self.tool_results) if self.potential else 0.0
         self.tool_results.extend(info.get("tool_results", []))
@@ -190,6 +179,28 @@ class ToolEnv:
         if self.call_error_reward and mistakes:
             reward = (reward or 0.0) + self.call_error_reward * mistakes
         return StepResult(self._observation(), reward, False, info)
+
+    def reply(self, action: Action, turn: list[Message]) -> Observation:
+        """The next observation after a response the composing env handled itself (a message to a
+        simulated user, say): the response, then `turn` (the user's reply), in the context as a tool
+        results turn would be; counted against `max_turns` like any step."""
+        self.turn += 1
+        self.responses.append(action.text)
+        self.messages.append({"role": "assistant", "content": action.text})
+        self._extend(action, turn)
+        return self._observation()
+
+    def _extend(self, action: Action, turn: list[Message]) -> None:
+        """Put the sampled ids and the env's next `turn` into the context: appended token for token
+        (steps merge into one training row), or a fresh context the task's `rewrite` chose."""
+        self.messages.extend(turn)
+        if self.rewrite is None:
+            after_eos = action.finish_reason == "eos"
+            self.context = self.context + action.token_ids + self.format.continuation(turn, after_eos=after_eos)
+            self.images += self.format.images(turn)
+        else:
+            rewritten = self.rewrite(list(self.messages))
+            self.context, self.images = self.format.initial(rewritten), self.format.images(rewritten)
 
     def _results_turn(self, parsed: list, outputs: list[str], shown: list[list[Any]]) -> list[Message]:
         """The results as the template expects them: a "tool" message per call where it renders tools

