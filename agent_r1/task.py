@@ -38,7 +38,9 @@ from agent_r1.data import Split
 from agent_r1.env.base import Env
 from agent_r1.env.prompt_format import prompt_format_for
 
-BUILTIN_TASKS = ("calculator", "digits", "gateway", "gsm8k", "hotpotqa", "openenv", "reasoning_gym", "tau2")
+BUILTIN_TASKS = (
+    "bfcl", "calculator", "digits", "gateway", "gsm8k", "hotpotqa", "openenv", "reasoning_gym", "tau2",
+)  # fmt: skip
 REQUIRED = ("Options", "tasks", "make_env")
 
 
