@@ -108,6 +108,8 @@ class Worker:
         self.proc: subprocess.Popen | None = None
 
     def _start(self) -> subprocess.Popen:
+        if self.proc is not None:
+            self.log.close()  # the dead worker's
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (what the worker prints, for as long as it lives)
         script = str(Path(__file__).with_name("bfcl_worker.py"))
         proc = subprocess.Popen(

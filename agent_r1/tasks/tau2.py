@@ -20,7 +20,7 @@ from typing import Any
 
 from agent_r1.data.splits import Split
 from agent_r1.env.prompt_format import PromptFormat
-from agent_r1.env.tau2 import Tau2Env, task_ids, tau2
+from agent_r1.env.tau2 import Tau2Env, task_ids
 from agent_r1.utils import servers
 
 
@@ -64,7 +64,6 @@ def tasks(options: Options, split: Split, n: int, seed: int = 0) -> list[dict[st
 
 def make_env(options: Options, prompt_format: PromptFormat, max_turns: int = 30) -> Tau2Env:
     """One conversation; the user simulator is started here first when no `user_url` is given."""
-    tau2()
     url, name = options.user_url, options.user_model
     if url is None:
         url, name = f"{user_server(options.user_model)}/v1", "user-simulator"
