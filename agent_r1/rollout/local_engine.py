@@ -597,10 +597,17 @@ class LocalEngine:
             self._index[k] = entry
 
     def _unindex(self, entry: _Parked) -> None:
+        """Forget `entry`'s keys. A block key it shares with other parked entries (the system prompt of
+        every conversation) points to the newest of them instead: deleting it would hide their keys from
+        every later lookup, since `_lookup` stops at the first missing block."""
         self._parked.remove(entry)
-        for k in entry.keys:
-            if self._index.get(k) is entry:
-                del self._index[k]
+        lost = {k for k in entry.keys if self._index.get(k) is entry}
+        for k in lost:
+            del self._index[k]
+        for e in sorted(self._parked, key=lambda e: e.stamp):  # the newest holder is written last
+            for k in e.keys:
+                if k in lost:
+                    self._index[k] = e
 
     def _evict(self, entry: _Parked) -> None:
         """Forget a parked entry; the last parked slot fills its place."""

@@ -298,6 +298,19 @@ def test_a_rewritten_context_reuses_only_the_common_beginning(engine, tiny_model
     assert len(engine._parked) == 2  # a partial match copies keys and leaves the first entry parked
 
 
+def test_a_shared_beginning_stays_found_after_the_entry_it_was_indexed_under_leaves(engine, tokenizer):
+    """Two parked conversations share the system prompt; its block keys point to the newer one. When
+    that one is evicted, a new prompt must still find the system prompt's keys in the older one."""
+    system = tokenizer.encode(SYSTEM)
+    gen(engine, [system + tokenizer.encode("What is 12 * 34?")], max_new_tokens=4, temperature=0.0)
+    gen(engine, [system + tokenizer.encode("Name a colour.")], max_new_tokens=4, temperature=0.0)
+    older, newer = sorted(engine._parked, key=lambda e: e.stamp)
+    with torch.inference_mode():  # the engine's thread moves keys in inference mode
+        engine._evict(newer)
+    entry, m = engine._lookup(system + tokenizer.encode("Why?"), 10_000)
+    assert entry is older and m >= len(system)
+
+
 def test_greedy_turns_equal_a_fresh_engine_under_a_tiny_memory_budget(tiny_model, tokenizer):
     """Three-turn greedy conversations for 6 prompts through an engine whose KV budget holds only a few
     slots: parked keys are evicted and recomputed, and every answer is what a fresh engine gives."""
