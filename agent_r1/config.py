@@ -205,6 +205,7 @@ def describe(cls: type, prefix: str = "") -> str:
         if hasattr(default, "to_raw"):  # a task: its name, then its own options
             lines.append(f"  {prefix}{f.name} = {default.name!r}  # {docs.get(f.name, '')}")
             lines.append(describe(type(default.options), prefix=f"{prefix}{f.name}."))
+            lines.append(describe(type(default.context), prefix=f"{prefix}{f.name}.context."))
             continue
         if dataclasses.is_dataclass(default):
             lines.append(describe(type(default), prefix=f"{prefix}{f.name}."))

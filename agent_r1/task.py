@@ -36,7 +36,9 @@ from typing import Any
 from agent_r1.config import build
 from agent_r1.data import Split
 from agent_r1.env.base import Env
+from agent_r1.env.context import ContextConfig
 from agent_r1.env.prompt_format import prompt_format_for
+from agent_r1.env.tool_env import ToolEnv
 
 BUILTIN_TASKS = (
     "bfcl", "calculator", "digits", "gateway", "gsm8k", "hotpotqa", "openenv", "reasoning_gym", "tau2",
@@ -99,6 +101,7 @@ class TaskSpec:
 
     name: str = "calculator"
     options: Any = None  # the task's Options instance (its defaults when None)
+    context: ContextConfig = dataclasses.field(default_factory=ContextConfig)  # `task.context.*`: env/context.py
 
     def __post_init__(self) -> None:
         if self.name.endswith(".py"):  # a file task is the same task from any working directory
@@ -113,14 +116,14 @@ class TaskSpec:
     def with_options(self, changes: dict[str, Any], prefix: str = "task.") -> TaskSpec:
         """The same task with some options replaced (validation's own `ops`, say), checked like config keys."""
         raw = dataclasses.asdict(self.options) | changes
-        return TaskSpec(self.name, build(type(self.options), raw, prefix=prefix))
+        return TaskSpec(self.name, build(type(self.options), raw, prefix=prefix), self.context)
 
     def tasks(self, split: Split, n: int, seed: int = 0) -> list[dict[str, Any]]:
         """The first `n` tasks of one split."""
         return self.module.tasks(self.options, split, n, seed)
 
     def env_factory(self, tokenizer: Any, chat: bool, max_turns: int, tool_format: str = "auto") -> EnvFactory:
-        return EnvFactory(self.name, self.options, tokenizer, chat, max_turns, tool_format)
+        return EnvFactory(self.name, self.options, tokenizer, chat, max_turns, tool_format, self.context)
 
     @property
     def kind_key(self) -> str | None:
@@ -137,12 +140,18 @@ class TaskSpec:
             raise ValueError(f"config key '{key}' must be a task name or a section, got {value!r}")
         value = dict(value)
         name = str(value.pop("name", default.name))
+        context = value.pop("context", {})
+        if not isinstance(context, dict):
+            raise ValueError(f"config key '{key}.context' must be a section, got {context!r}")
         options_cls = load_task(name).Options
         base = dataclasses.asdict(default.options) if name == default.name else {}
-        return cls(name, build(options_cls, base | value, prefix=f"{key}."))
+        context = build(ContextConfig, dataclasses.asdict(default.context) | context, prefix=f"{key}.context.")
+        return cls(name, build(options_cls, base | value, prefix=f"{key}."), context)
 
     def to_raw(self) -> dict[str, Any]:
-        return {"name": self.name, **dataclasses.asdict(self.options)}
+        """The section as YAML writes it; `context` only when it is managed (the default is append-only)."""
+        context = {"context": dataclasses.asdict(self.context)} if self.context.managed else {}
+        return {"name": self.name, **dataclasses.asdict(self.options), **context}
 
 
 @dataclass(frozen=True)
@@ -155,24 +164,39 @@ class EnvFactory:
     chat: bool
     max_turns: int
     tool_format: str = "auto"  # the tool-call family (agent_r1.env.tool_formats): auto = the template's
+    context: ContextConfig = dataclasses.field(default_factory=ContextConfig)
 
     def __call__(self) -> Env:
         fmt = prompt_format_for(self.tokenizer, chat=self.chat, tool_format_name=self.tool_format)
-        return load_task(self.task).make_env(self.options, fmt, self.max_turns)
+        env = load_task(self.task).make_env(self.options, fmt, self.max_turns)
+        if not self.context.managed:
+            return env
+        if not isinstance(env, ToolEnv):
+            raise ValueError(f"task.context needs a ToolEnv; task {self.task!r} makes a {type(env).__name__}")
+        return env.manage(self.context)
 
     def __reduce__(self) -> tuple:
         """Pickled with the options as a plain dict, rebuilt from the task's own Options on the other side:
         a task loaded from a file has no importable module name in a fresh process, so its Options class
         cannot be pickled by reference."""
         options = dataclasses.asdict(self.options)
-        return (_rebuild_factory, (self.task, options, self.tokenizer, self.chat, self.max_turns, self.tool_format))
+        return (
+            _rebuild_factory,
+            (self.task, options, self.tokenizer, self.chat, self.max_turns, self.tool_format, self.context),
+        )
 
 
 def _rebuild_factory(
-    task: str, options: dict[str, Any], tokenizer: Any, chat: bool, max_turns: int, tool_format: str
+    task: str,
+    options: dict[str, Any],
+    tokenizer: Any,
+    chat: bool,
+    max_turns: int,
+    tool_format: str,
+    context: ContextConfig | None = None,
 ) -> EnvFactory:
     options_ = build(load_task(task).Options, options, prefix="task.")
-    return EnvFactory(task, options_, tokenizer, chat, max_turns, tool_format)
+    return EnvFactory(task, options_, tokenizer, chat, max_turns, tool_format, context or ContextConfig())
 
 
 def resolve_tool_format(tool_format: str, model_name: str | None) -> str:

@@ -22,6 +22,7 @@ from typing import Any, Literal
 from transformers import PreTrainedTokenizerBase
 
 from agent_r1.env.base import StepResult
+from agent_r1.env.context import ContextConfig, ContextOverflow, ManagedContext, note_tool
 from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.env.tool_calls import (
     CALL_OPEN,
@@ -71,17 +72,11 @@ class ToolEnv:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         if max_tool_tokens is not None and max_tool_tokens < 1:
             raise ValueError(f"max_tool_tokens must be >= 1, got {max_tool_tokens}")
-        self.tools = dict(tools)
-        self.schemas = {name: t.schema for name, t in self.tools.items()}
         self.calls = prompt_format.tool_format  # the syntax the model writes its calls in
-        # a template that renders tools itself gets them through apply_chat_template(tools=...), and the
-        # results as "tool" messages; otherwise our hermes-style system prompt and <tool_response> turns
-        listed = list(self.schemas.values())
-        self.native = bool(prompt_format.native_tools and listed)
-        self.format = prompt_format.with_tools(listed) if self.native else prompt_format
-        self.reward_fn = reward_fn
+        self.base_format = prompt_format
         self.instructions = instructions
-        self.system = instructions if self.native or not listed else tools_prompt(listed, instructions, self.calls)
+        self._set_tools(tools)
+        self.reward_fn = reward_fn
         self.examples = list(examples or [])
         self.max_turns = max_turns
         self.rewrite = rewrite
@@ -93,6 +88,32 @@ class ToolEnv:
         self.call_error_reward = call_error_reward
         self.max_images = max_images  # images one context may hold (a VLM's limit): more become a note
         self.stop = (*self.calls.stop, *prompt_format.stop)
+        self.context_cfg: ContextConfig | None = None  # `manage`: a budget and a strategy (env/context.py)
+        self.managed: ManagedContext | None = None  # the episode's managed context, made by reset
+
+    def _set_tools(self, tools: Mapping[str, Tool]) -> None:
+        """The tools and what depends on them: a template that renders tools itself gets them through
+        apply_chat_template(tools=...), and the results as "tool" messages; otherwise our hermes-style
+        system prompt and <tool_response> turns."""
+        self.tools = dict(tools)
+        self.schemas = {name: t.schema for name, t in self.tools.items()}
+        listed = list(self.schemas.values())
+        self.native = bool(self.base_format.native_tools and listed)
+        self.format = self.base_format.with_tools(listed) if self.native else self.base_format
+        self.system = self.instructions
+        if listed and not self.native:
+            self.system = tools_prompt(listed, self.instructions, self.calls)
+
+    def manage(self, cfg: ContextConfig) -> ToolEnv:
+        """Keep every episode's context within `cfg.budget` by `cfg.strategy` (env/context.py); the memory
+        strategy adds its `note` tool. Called before the first `reset`."""
+        if cfg.managed:
+            if self.rewrite is not None:
+                raise ValueError("task.context cannot manage an env that rewrites its own context")
+            self.context_cfg = cfg
+            if cfg.strategy == "memory":
+                self._set_tools({**self.tools, "note": note_tool(lambda text: self.managed.note(text))})
+        return self
 
     @property
     def prompt_prefix(self) -> list[Message]:
@@ -140,12 +161,16 @@ class ToolEnv:
         if len(self.images) > self.max_images:
             raise ValueError(f"the task's prompt has {len(self.images)} images, more than max_images={self.max_images}")
         self.start = len(self.messages)  # where the episode's own turns begin
+        if self.context_cfg is not None:
+            self.managed = ManagedContext(self.context_cfg, self.format, self.messages)
         return self._observation()
 
     def _observation(self) -> Observation:
         return Observation(token_ids=list(self.context), state=self._state(), images=list(self.images))
 
     async def step(self, action: Action) -> StepResult:
+        if self.managed is not None and self.managed.awaiting_summary:
+            return self._summary_step(action)
         self.turn += 1
         self.responses.append(action.text)
         self.messages.append({"role": "assistant", "content": action.text})
@@ -169,7 +194,11 @@ class ToolEnv:
         info["tool_calls"] = sum(1 for p in parsed if not isinstance(p, ParseError))
         info["format_errors"] = sum(1 for p in parsed if isinstance(p, ParseError))
         info["tool_errors"] = dict(errors)
-        self._extend(action, self._results_turn(parsed, outputs, shown))
+        try:
+            self._extend(action, self._results_turn(parsed, outputs, shown), info)
+        except ContextOverflow:
+            info["termination"] = Termination.CONTEXT_OVERFLOW
+            return StepResult(None, 0.0, True, info)
         reward = sum(rewards) if rewards else None  # process reward from the tools, if any gave one
         before = self.potential(self.task, self.tool_results) if self.potential else 0.0
         self.tool_results.extend(info.get("tool_results", []))
@@ -190,17 +219,48 @@ class ToolEnv:
         self._extend(action, turn)
         return self._observation()
 
-    def _extend(self, action: Action, turn: list[Message]) -> None:
+    def _extend(self, action: Action, turn: list[Message], info: dict[str, Any] | None = None) -> None:
         """Put the sampled ids and the env's next `turn` into the context: appended token for token
-        (steps merge into one training row), or a fresh context the task's `rewrite` chose."""
+        (steps merge into one training row), or a fresh context the task's `rewrite` or the managed
+        context's strategy chose. A managed `append` context past its budget raises ContextOverflow."""
+        response = self.messages[-1]
         self.messages.extend(turn)
-        if self.rewrite is None:
-            after_eos = action.finish_reason == "eos"
-            self.context = self.context + action.token_ids + self.format.continuation(turn, after_eos=after_eos)
-            self.images += self.format.images(turn)
-        else:
+        rewritten: list[Message] | None = None
+        if self.rewrite is not None:
             rewritten = self.rewrite(list(self.messages))
+        else:
+            after_eos = action.finish_reason == "eos"
+            appended = self.context + action.token_ids + self.format.continuation(turn, after_eos=after_eos)
+            if self.managed is not None:
+                rewritten = self.managed.after_turn([response, *turn], len(appended))
+            if rewritten is None:
+                self.context = appended
+                self.images += self.format.images(turn)
+        if rewritten is not None:
             self.context, self.images = self.format.initial(rewritten), self.format.images(rewritten)
+        self._context_info(info, rewritten is not None)
+
+    def _summary_step(self, action: Action) -> StepResult:
+        """The model's answer to the summary request (the summarize strategy): the context restarts from
+        the head and that summary. A summary step is not a turn of the task; an empty, too long or
+        tool-calling one earns -summary_penalty."""
+        assert self.managed is not None and self.context_cfg is not None
+        self.messages.append({"role": "assistant", "content": action.text})
+        rewritten, problems = self.managed.take_summary(action.text)
+        self.context, self.images = self.format.initial(rewritten), self.format.images(rewritten)
+        info: dict[str, Any] = {"tool_calls": 0, "format_errors": 0, "tool_errors": {}, "truncated_outputs": 0}
+        info["summary_problems"] = problems
+        self._context_info(info, True, summaries=1.0, bad_summaries=float(bool(problems)))
+        reward = -self.context_cfg.summary_penalty if problems else None
+        return StepResult(self._observation(), reward, False, info)
+
+    def _context_info(self, info: dict[str, Any] | None, rewritten: bool, **counts: float) -> None:
+        """The managed context in the step's record (the viewer) and its counts in the episode's metrics."""
+        if info is None or self.managed is None:
+            return
+        info["context"] = {**self.managed.info(), "rewritten": rewritten, "tokens": len(self.context)}
+        metrics = {"rewrites": float(rewritten), **counts}
+        info["metrics"] = {f"context/{k}": v for k, v in metrics.items()}
 
     def _results_turn(self, parsed: list, outputs: list[str], shown: list[list[Any]]) -> list[Message]:
         """The results as the template expects them: a "tool" message per call where it renders tools
