@@ -41,7 +41,7 @@ from agent_r1.env.prompt_format import prompt_format_for
 from agent_r1.env.tool_env import ToolEnv
 
 BUILTIN_TASKS = (
-    "bfcl", "calculator", "digits", "gateway", "gsm8k", "hotpotqa", "openenv", "reasoning_gym", "tau2",
+    "bfcl", "calculator", "digits", "dossiers", "gateway", "gsm8k", "hotpotqa", "openenv", "reasoning_gym", "tau2",
 )  # fmt: skip
 REQUIRED = ("Options", "tasks", "make_env")
 

@@ -229,7 +229,8 @@ def _limit(row: Row) -> int:
 
 
 def _common(a: torch.Tensor, b: torch.Tensor, c: int) -> int:
-    """Length of the common prefix of `a` and `b`, at most `c`."""
+    """Length of the common prefix of `a` and `b`, at most `c` (and at most the shorter one's length)."""
+    c = min(c, len(a), len(b))
     diff = (a[:c] != b[:c]).nonzero()
     return int(diff[0]) if len(diff) else c
 

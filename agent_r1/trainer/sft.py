@@ -8,8 +8,10 @@ packed into micro-batches. Checkpoints and the exported policy use the RL format
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from agent_r1.config import to_dict
 from agent_r1.env.prompt_format import PromptFormat
+from agent_r1.env.tool_env import ToolEnv
 from agent_r1.env.tool_formats import ToolFormatName
 from agent_r1.models.loading import load_model, load_processor, place_model
 from agent_r1.models.lora import LoraConfig, with_lora
@@ -32,11 +35,13 @@ from agent_r1.trainer.batching import Row, image_row_key, pack, token_logprobs
 from agent_r1.trainer.checkpoint import export_policy, save_checkpoint
 from agent_r1.trainer.common import adamw, lr_schedule
 from agent_r1.trainer.export import policy_info
-from agent_r1.types import Message, Step, TrainSequence, Trajectory
+from agent_r1.types import Action, Message, Step, TrainSequence, Trajectory
 from agent_r1.utils.jsonl import append_jsonl
 from agent_r1.utils.malloc import trim_heap
 from agent_r1.utils.paths import write_text_atomic
 from agent_r1.utils.progress import progress_bar
+
+MAX_DEMO_TURNS = 64  # a replayed demonstration's turn budget (env/context.py): the demo decides its length
 
 
 @dataclass
@@ -116,6 +121,59 @@ def demo_to_sequence(
     return row
 
 
+def replay_demo(
+    demo: list[Message], task: dict[str, Any], env: ToolEnv, summary: Callable[[dict, list[Message]], str] | None
+) -> list[Step]:
+    """The steps of a demonstration under a managed context (`task.context`, env/context.py): its
+    assistant turns are replayed through the env, which runs the tools and shows each next prompt as a
+    rollout would (truncated, elided, with notes), so SFT sees the rows RL will (`merge_trajectory`: each
+    rewrite starts a new row). When the env asks for a summary, the task's `summary(task, history)`
+    writes it."""
+    fmt, tokenizer = env.format, env.format.tokenizer
+    turns = iter(m["content"] for m in demo if m["role"] == "assistant")
+
+    async def run() -> list[Step]:
+        obs, steps = await env.reset(task), []
+        while obs is not None:
+            if env.managed is not None and env.managed.awaiting_summary:
+                if summary is None:
+                    raise ValueError(
+                        "task.context.strategy=summarize needs the task's summary() for SFT demonstrations"
+                    )
+                text = summary(task, env.messages)
+            elif (text := next(turns, None)) is None:
+                break
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            finish = "stop" if text.endswith(fmt.tool_format.stop) else "eos"
+            if finish == "eos":
+                ids.append(tokenizer.eos_token_id)
+            prompt = list(obs.token_ids)
+            obs, *_ = await env.step(Action(ids, [0.0] * len(ids), text, finish))
+            steps.append(Step(prompt, ids, [0.0] * len(ids), index=len(steps)))
+        return steps
+
+    return asyncio.run(run())
+
+
+def demo_rows(cfg: SFTConfig, env: ToolEnv, make_env: Callable[[], ToolEnv]) -> list[TrainSequence]:
+    """Every demonstration as training rows: one row each (`demo_to_sequence`), or, under a managed
+    context, the rows of its replay (demo i must be of `tasks(train)[i]`, which is checked)."""
+    module, options = cfg.task.module, cfg.task.options
+    demos = [env.in_model_format(d) for d in module.demos(options, env, cfg.num_examples, cfg.seed)]
+    if env.context_cfg is None:
+        return [demo_to_sequence(d, env.prompt_prefix, env.format, env.format.tokenizer) for d in demos]
+    tasks = module.tasks(options, "train", len(demos), cfg.seed)
+    rows = []
+    for demo, task in zip(demos, tasks, strict=True):
+        if demo[0]["content"] != task.get("question"):
+            raise ValueError(
+                f"task {cfg.task.name!r}: demos() must follow tasks('train') order to replay them under task.context"
+            )
+        steps = replay_demo(demo, task, make_env(), getattr(module, "summary", None))
+        rows += merge_trajectory(Trajectory(task=task, traj_id="demo", group_id="demo", steps=steps))
+    return rows
+
+
 def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any = None, console=None) -> list[dict]:
     console = console or Console()
     run_dir = Path(cfg.run_dir)
@@ -133,10 +191,10 @@ def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any 
     chat = resolve_chat(cfg.prompt_format, processor, chat_hint)
 
     # the prompt prefix RL and eval will use: system (tools + instructions) and optional example
-    env = cfg.task.env_factory(processor, chat, 1, resolve_tool_format(cfg.tool_format, chat_hint))()
+    make_env = cfg.task.env_factory(processor, chat, MAX_DEMO_TURNS, resolve_tool_format(cfg.tool_format, chat_hint))
+    env = make_env()
     rows = []
-    for demo in cfg.task.module.demos(cfg.task.options, env, cfg.num_examples, cfg.seed):
-        seq = demo_to_sequence(env.in_model_format(demo), env.prompt_prefix, env.format, tokenizer)
+    for seq in demo_rows(cfg, env, make_env):
         n = len(seq.input_ids)
         rows.append(
             Row(

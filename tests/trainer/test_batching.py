@@ -58,6 +58,15 @@ def test_shared_prefix_stops_before_trainable_tokens():
     assert pack([a, b], max_tokens=200, min_shared_prefix=32)[0].prefix_len == 0  # too short to pay
 
 
+def test_a_row_shorter_than_the_bins_shared_prefix_joins_it():
+    """Two rows share 40 tokens; a third is the first 20 of them and its own 5: it shares 19 with the
+    bin (found by comparing only what both rows have), where a managed context's rows often land."""
+    a, b = row([*PREFIX, 50, 51], 41), row([*PREFIX, 60, 61], 41)
+    c = row([*PREFIX[:20], 70, 71, 72, 73, 74], 20)
+    (mb,) = pack([a, b, c], max_tokens=200, min_shared_prefix=8)
+    assert mb.prefix_len == 19 and sorted(mb.row_lens) == sorted(len(r.input_ids) for r in (a, b, c))
+
+
 def test_logprobs_and_gradients_match_rows_run_alone():
     model = tiny_model()
     data = rows()

@@ -1,0 +1,196 @@
+"""Dossiers: a long reading task whose useful tool output is several times a small context budget.
+
+The agent is asked for one attribute (a password, a city or a badge number) of two people. Their
+records are among `documents` numbered documents of `records` people each, which the agent reads one
+at a time with `read(document)`. The first person is in the first three documents, the second in the
+last three, so the whole read is 2,100-2,600 tokens for the default 10 documents: at a budget of 1,024
+the first answer has left a truncated or elided context by the time the second is found, and an
+append-only one has overflowed.
+Only what the agent carries forward itself (a summary, a note: `task.context.strategy`, env/context.py)
+gets both answers into one prompt. Reward: 1 for both values in order, and each half logged.
+
+Tasks are generated: task k comes from `random.Random(k)`, and its split (train, val or test = held
+out) is a fixed hash bucket of its id (agent_r1.data.splits), whatever the seed.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from agent_r1.data.splits import Split, split_of
+from agent_r1.env.prompt_format import PromptFormat
+from agent_r1.env.tool_calls import extract_answer, format_tool_call, format_tool_responses
+from agent_r1.env.tool_env import ToolEnv
+from agent_r1.tools import Tool, ToolResult, tool
+from agent_r1.types import Message
+
+KIND_KEY = "attribute"  # eval reports accuracy per attribute asked for
+
+FIRST = ("Mira", "Ivo", "Lena", "Otto", "Nadia", "Boris", "Clara", "Felix", "Greta", "Hugo", "Irma", "Jonas",
+         "Karla", "Luca", "Maja", "Nils", "Olga", "Pavel", "Rosa", "Sven")  # fmt: skip
+LAST = ("Castell", "Renn", "Vogt", "Marek", "Lind", "Sauer", "Brandt", "Kovac", "Moreau", "Ortega", "Petrov",
+        "Quist", "Rahn", "Stahl", "Tamm", "Ulrich", "Varga", "Weiss", "Zorn", "Haas")  # fmt: skip
+CITIES = ("Lyon", "Porto", "Graz", "Turin", "Ghent", "Bergen", "Split", "Malmo", "Krakow", "Tartu", "Bilbao",
+          "Lille", "Basel", "Aarhus", "Brno", "Cork", "Pisa", "Riga", "Nantes", "Varna")  # fmt: skip
+WORDS = ("ember", "falcon", "cobalt", "willow", "quartz", "harbor", "lantern", "maple", "orbit", "saffron",
+         "thistle", "velvet", "anchor", "birch", "cinder", "dune", "fable", "glacier", "hollow", "juniper")  # fmt: skip
+COLOURS = ("red", "blue", "green", "grey", "black", "white", "yellow", "brown")
+ATTRIBUTES = ("password", "city", "badge")
+
+INSTRUCTIONS = (
+    "Answer the question from the documents. Read them one at a time, in order, with the read tool, until "
+    "you have found everything the question asks for. Then give the final answer inside <answer></answer>."
+)
+
+
+@dataclass
+class Options:
+    documents: int = 10
+    """documents per task (>= 6): the first person is in the first 3, the second in the last 3"""
+    records: int = 8
+    """people per document (~25 tokens each)"""
+    attributes: tuple[str, ...] = ATTRIBUTES
+    """what questions ask for, cycled: password, city, badge"""
+
+    def __post_init__(self) -> None:
+        if self.documents < 6 or not 1 <= self.records <= 20:
+            raise ValueError(
+                f"task.documents must be >= 6 and task.records in 1..20, got {self.documents}, {self.records}"
+            )
+        if not self.attributes or any(a not in ATTRIBUTES for a in self.attributes):
+            raise ValueError(f"task.attributes must be some of {', '.join(ATTRIBUTES)}, got {self.attributes}")
+
+
+def make_task(
+    k: int, documents: int = 10, records: int = 8, attributes: tuple[str, ...] = ATTRIBUTES
+) -> dict[str, Any]:
+    """Task k: the documents (a list of texts), the two people asked about, and the answer."""
+    rng = random.Random(k)
+    names = rng.sample([f"{a} {b}" for a in FIRST for b in LAST], documents * records)
+    people = [
+        {"name": n, "city": rng.choice(CITIES), "password": rng.choice(WORDS), "badge": str(rng.randint(1000, 9999)),
+         "colour": rng.choice(COLOURS)}
+        for n in names
+    ]  # fmt: skip
+    docs = [people[d * records : (d + 1) * records] for d in range(documents)]
+    first, second = rng.randrange(3), documents - 1 - rng.randrange(3)
+    a, b = rng.choice(docs[first]), rng.choice(docs[second])
+    attribute = attributes[k % len(attributes)]
+    what = {"password": "passwords", "city": "home cities", "badge": "badge numbers"}[attribute]
+    return {
+        "id": f"dossiers-{k}",
+        "question": f"What are the {what} of {a['name']} and {b['name']}? There are {documents} documents. "
+        f"Answer with the two, {a['name']}'s first, separated by a comma.",
+        "documents": [_document(i + 1, d) for i, d in enumerate(docs)],
+        "people": [a["name"], b["name"]],
+        "found_in": [first + 1, second + 1],
+        "values": [a[attribute], b[attribute]],
+        "answer": f"{a[attribute]}, {b[attribute]}",
+        "attribute": attribute,
+    }
+
+
+def _document(number: int, people: list[dict[str, str]]) -> str:
+    lines = [
+        f"{p['name']} lives in {p['city']}, drives a {p['colour']} car, has badge {p['badge']} and the password "
+        f"{p['password']}."
+        for p in people
+    ]
+    return f"Document {number}:\n" + "\n".join(lines)
+
+
+def tasks(options: Options, split: Split, n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """The first `n` tasks of a split (generated in id order, so the same for every seed)."""
+    out, k = [], 0
+    while len(out) < n:
+        if split_of(f"dossiers-{k}") == split:
+            out.append(make_task(k, options.documents, options.records, options.attributes))
+        k += 1
+    return out
+
+
+def reward(task: dict[str, Any], text: str) -> tuple[float, dict[str, float]]:
+    """1 when the answer gives both values in order; each half logged (`reward/first`, `reward/second`)."""
+    answer = extract_answer(text)
+    given = [_norm(x) for x in (answer or "").split(",")]
+    first = float(len(given) >= 1 and given[0] == _norm(task["values"][0]))
+    second = float(len(given) >= 2 and given[1] == _norm(task["values"][1]))
+    correct = float(first and second and len(given) == 2)
+    return correct, {"correct": correct, "first": first, "second": second}
+
+
+def _norm(text: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", text.lower())
+
+
+def read_tool(documents: Callable[[], list[str]]) -> Tool:
+    """`read(document)` over the documents of the episode's task (`documents()` gives them)."""
+
+    @tool
+    def read(document: int) -> str | ToolResult:
+        """Read one document.
+
+        Args:
+            document: The document's number, from 1.
+        """
+        texts = documents()
+        if not 1 <= document <= len(texts):
+            return ToolResult(
+                f"Error: no document {document}; the documents are 1 to {len(texts)}.", error="bad_document"
+            )
+        return texts[document - 1]
+
+    return read
+
+
+def make_env(options: Options, prompt_format: PromptFormat, max_turns: int = 12) -> ToolEnv:
+    """A ToolEnv whose `read` tool serves the episode's own task."""
+    env = ToolEnv({"read": read_tool(lambda: env.task["documents"])}, prompt_format, reward,
+                  instructions=INSTRUCTIONS, max_turns=max_turns)  # fmt: skip
+    return env
+
+
+def demos(options: Options, env: ToolEnv, n: int, seed: int = 0) -> list[list[Message]]:
+    """Demonstrations of the first `n` training tasks for the env's context strategy: read in order until
+    both are found, then answer; under `memory`, a note of each value in the turn after it was read.
+    Under `summarize`, the summaries are written by `summary` when the env asks for one (trainer/sft.py)."""
+    memory = env.context_cfg is not None and env.context_cfg.strategy == "memory"
+    return [demo(t, memory) for t in tasks(options, "train", n, seed)]
+
+
+def demo(task: dict[str, Any], memory: bool = False) -> list[Message]:
+    """One task solved: read documents 1.. up to the second person's; with `memory`, the turn after the
+    first person's document notes the value while reading on. Tool results are the documents."""
+    messages: list[Message] = [{"role": "user", "content": task["question"]}]
+    for d in range(1, task["found_in"][1] + 1):
+        call = format_tool_call("read", {"document": d})
+        if memory and d == task["found_in"][0] + 1:
+            call = format_tool_call("note", {"text": _fact(task, 0)}) + "\n" + call
+        shown = [task["documents"][d - 1]]
+        if "note" in call:
+            shown.insert(0, "Noted (1 notes).")
+        messages += [{"role": "assistant", "content": call}, {"role": "user", "content": format_tool_responses(shown)}]
+    messages.append({"role": "assistant", "content": f"<answer>{task['answer']}</answer>"})
+    return messages
+
+
+def summary(task: dict[str, Any], history: list[Message]) -> str:
+    """The summary a demonstration writes when the env asks for one: the values found in the history so
+    far (and in the summary before), what is left, and where to go on reading."""
+    shown = "\n".join(str(m.get("content", "")) for m in history if m["role"] != "assistant")
+    found = [i for i in range(2) if f"{task['people'][i]} lives" in shown or _fact(task, i) in shown]
+    read = re.findall(
+        r'"document": (\d+)', "\n".join(str(m.get("content", "")) for m in history if m["role"] == "assistant")
+    )
+    facts = [_fact(task, i) + "." for i in found]
+    left = [f"{task['people'][i]}'s {task['attribute']} is not found yet." for i in range(2) if i not in found]
+    last = max((int(x) for x in read), default=0)
+    return "<summary>" + " ".join([*facts, *left, f"Read documents 1 to {last}."]) + "</summary>"
+
+
+def _fact(task: dict[str, Any], i: int) -> str:
+    return f"{task['people'][i]}'s {task['attribute']} is {task['values'][i]}"
