@@ -129,3 +129,31 @@ def test_view_command_rejects_a_missing_run_in_one_line(tmp_path, capsys):
     assert "\n" not in err and "no such run directory" in err
     assert main(["view", str(tmp_path), "port=0"]) == 2
     assert "port must be in 1..65535" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(chromium() is None, reason="no Chromium on this machine (make test installs it with apt-get)")
+async def test_the_page_shows_what_a_managed_context_did(tmp_path, tokenizer):
+    """A summarize episode (tests/env/test_context.py's reader): the summary step is labelled, and the turn
+    after it says the context restarted from the summary."""
+    from playwright.async_api import async_playwright
+
+    from agent_r1.env.context import ContextConfig
+    from agent_r1.types import Trajectory
+    from tests.env.test_context import episode, reader
+
+    cfg = ContextConfig(strategy="summarize", budget=500, summary_tokens=64)
+    _, _, _, steps = await episode(tokenizer, cfg, reader(8, "<summary>fruit0 first.</summary>"))
+    traj = Trajectory({"question": "q"}, "g-0", "g", steps=steps, termination=Termination.ANSWERED)
+    write_records(step_path(tmp_path, 1), trajectory_records([traj], tokenizer, step=1))
+    with serving(create_app(tmp_path)) as url:
+        async with async_playwright() as p:
+            browser = await p.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
+            page = await browser.new_page()
+            await page.goto(url + "/")
+            await page.locator("#rows tr.traj").first.click()
+            await page.wait_for_selector(".pane .turn")
+            heads = await page.locator(".pane .turn .head").all_inner_texts()
+            await browser.close()
+    k = next(i for i, h in enumerate(heads) if "summary step" in h)
+    assert "context rewritten (summarize:" in heads[k]  # the request came with a shrunk context
+    assert "restarted from the summary" in heads[k + 1] and "summary step" not in heads[k + 1]
