@@ -64,7 +64,7 @@ class SFTConfig:
     epochs: int = 2
     """passes over the demonstrations"""
     batch_size: int = 16
-    """demonstrations per optimizer step"""
+    """training rows per optimizer step (a demonstration is one row, or one per rewrite under task.context)"""
     lr: float = 3e-5
     """peak learning rate (AdamW), cosine decay after warm-up"""
     vision_lr: float | None = None
