@@ -94,6 +94,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str,
         cfg.max_turns,
         resolve_tool_format(cfg.tool_format, cfg.model),
     )
+    make_env.check_context(tasks[0])
     engine = LocalEngine(
         model, tokenizer, max_batch_size=cfg.max_batch_size, seed=cfg.seed, kv_cache_gb=cfg.kv_cache_gb
     )

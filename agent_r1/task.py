@@ -23,6 +23,7 @@ lazily by the task on first use, in the process that needs it.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import importlib
@@ -174,6 +175,14 @@ class EnvFactory:
         if not isinstance(env, ToolEnv):
             raise ValueError(f"task.context needs a ToolEnv; task {self.task!r} makes a {type(env).__name__}")
         return env.manage(self.context)
+
+    def check_context(self, task: dict[str, Any]) -> None:
+        """Under `task.context`, start one episode of `task` before any rollout: a budget that cannot hold
+        the system prompt and the task fails here in one line, not in every episode."""
+        if self.context.managed:
+            env = self()
+            asyncio.run(env.reset(task))
+            asyncio.run(env.close())
 
     def __reduce__(self) -> tuple:
         """Pickled with the options as a plain dict, rebuilt from the task's own Options on the other side:

@@ -118,3 +118,13 @@ def test_eval_config_refuses_an_empty_kv_budget():
 
     with pytest.raises(ValueError, match="kv_cache_gb must be > 0, got 0"):
         EvalConfig(kv_cache_gb=0)
+
+
+def test_a_context_budget_too_small_for_the_task_stops_eval_in_one_line(tiny_model_dir, capsys):
+    from agent_r1.cli import main
+
+    context = ["task.context.strategy=truncate", "task.context.budget=64"]
+    args = ["eval", f"model={tiny_model_dir}", "task=dossiers", *context]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [next(line for line in err if "task.context.budget=64 leaves no room" in line)]

@@ -158,6 +158,8 @@ def train(
         """The training tasks and env factory of `task` (a curriculum rebuilds them at each new stage)."""
         draws = tasks if tasks is not None else task.tasks("train", 4096, cfg.seed)
         env = given_env or task.env_factory(processor, chat, cfg.rollout.max_turns, tool_format)
+        if given_env is None and draws:
+            env.check_context(draws[0])
         return TaskSampler(draws, cfg.seed), env
 
     curriculum = Curriculum(cfg.curriculum, cfg.task) if cfg.curriculum.option and own_task else None
