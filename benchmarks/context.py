@@ -1,0 +1,87 @@
+"""Context management (docs/context.md): how an episode's compute grows with its turns under each strategy,
+and what evals of the strategies scored.
+
+    python benchmarks/context.py scaling [--budget 512] [--documents 6 12 24 48]
+
+replays `task=dossiers`' scripted demonstration (read every document in order, then answer) through the
+env under each strategy, for reads of growing length, and prints per episode: the turns, the prompt
+tokens a model without a cache would process (the sum of every step's prompt), and the training tokens
+(the rows `merge_trajectory` makes: what the update computes). No model is needed.
+
+    python benchmarks/context.py summary runs/ctx/eval_*.jsonl
+
+prints each eval's accuracy with a bootstrap 95% interval over tasks, and its mean turns, training
+tokens and largest prompt per episode (from the trajectory records of `agent-r1 eval out=FILE`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from agent_r1.evaluate import bootstrap_ci
+from agent_r1.models import resolve_model_path
+from agent_r1.observe.records import read_records
+from agent_r1.rollout.merge import merge_trajectory
+from agent_r1.task import TaskSpec
+from agent_r1.tasks import dossiers
+from agent_r1.trainer.sft import replay_demo
+from agent_r1.types import Trajectory
+
+STRATEGIES = ("append", "truncate", "elide", "summarize", "memory")
+
+
+def scaling(budget: int, documents: list[int], records: int) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("default"))
+    print(f"budget {budget} tokens ('append' has none), {records} records a document; per episode:")
+    print("| strategy | documents read | turns | prompt tokens | training tokens | training tokens a turn |")
+    print("|---|---|---|---|---|---|")
+    for strategy in STRATEGIES:
+        for n in documents:
+            context = {} if strategy == "append" else {"strategy": strategy, "budget": budget, "summary_tokens": 128}
+            spec = TaskSpec.from_raw({"name": "dossiers", "documents": n, "records": records, "context": context},
+                                     "task", TaskSpec())  # fmt: skip
+            task = dossiers.make_task(0, n, records)
+            task["found_in"][1] = n  # read every document
+            demo = dossiers.demo(task, memory=strategy == "memory")
+            steps = replay_demo(demo, task, spec.env_factory(tokenizer, True, 4 * n)(), dossiers.summary)
+            rows = merge_trajectory(Trajectory(task, "t", "g", steps))
+            prompts = sum(len(s.prompt_ids) for s in steps)
+            trained = sum(len(r.input_ids) for r in rows)
+            print(f"| {strategy} | {n} | {len(steps)} | {prompts:,} | {trained:,} | {trained / len(steps):,.0f} |")
+
+
+def summary(paths: list[Path]) -> None:
+    print("| eval | episodes | accuracy [95% interval] | turns | training tokens | largest prompt |")
+    print("|---|---|---|---|---|---|")
+    for path in paths:
+        records = list(read_records(path))
+        scores = [float((r.get("metrics") or {}).get("reward/correct", r["reward"] >= 1.0)) for r in records]
+        mean, low, high = bootstrap_ci(scores)
+        turns = sum(len(r["turns"]) for r in records) / len(records)
+        tokens = sum(len(row["ids"]) for r in records for row in r["rows"]) / len(records)
+        largest = max(max((len(row["ids"]) for row in r["rows"]), default=0) for r in records)
+        print(f"| {path.stem} | {len(records)} | {100 * mean:.1f}% [{100 * low:.1f}, {100 * high:.1f}] | {turns:.1f} "
+              f"| {tokens:,.0f} | {largest:,} |")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("scaling")
+    s.add_argument("--budget", type=int, default=512)
+    s.add_argument("--documents", type=int, nargs="+", default=[6, 12, 24, 48])
+    s.add_argument("--records", type=int, default=4)
+    e = sub.add_parser("summary")
+    e.add_argument("paths", type=Path, nargs="+")
+    args = parser.parse_args()
+    if args.command == "scaling":
+        scaling(args.budget, args.documents, args.records)
+    else:
+        summary(args.paths)
+
+
+if __name__ == "__main__":
+    main()
