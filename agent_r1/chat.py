@@ -232,7 +232,8 @@ def session_prompt(cfg: ChatConfig, tokenizer: Any, chat: bool) -> ChatPrompt:
 def _chat_task(cfg: ChatConfig) -> TaskSpec | None:
     info = Path(cfg.model).expanduser() / EXPORT_INFO
     recorded = json.loads(info.read_text()).get("task") if info.is_file() else None
-    if recorded and cfg.task in (None, recorded["name"]):
+    if recorded and cfg.task in (None, recorded["name"]):  # a chat keeps its whole history: no task.context
+        recorded = {k: v for k, v in recorded.items() if k != "context"}
         return TaskSpec.from_raw(recorded, "task", TaskSpec(recorded["name"]))
     return TaskSpec(cfg.task) if cfg.task is not None else None
 

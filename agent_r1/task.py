@@ -179,10 +179,17 @@ class EnvFactory:
     def check_context(self, task: dict[str, Any]) -> None:
         """Under `task.context`, start one episode of `task` before any rollout: a budget that cannot hold
         the system prompt and the task fails here in one line, not in every episode."""
-        if self.context.managed:
-            env = self()
-            asyncio.run(env.reset(task))
-            asyncio.run(env.close())
+        if not self.context.managed:
+            return
+        env = self()
+
+        async def start() -> None:
+            try:
+                await env.reset(task)
+            finally:
+                await env.close()
+
+        asyncio.run(start())
 
     def __reduce__(self) -> tuple:
         """Pickled with the options as a plain dict, rebuilt from the task's own Options on the other side:

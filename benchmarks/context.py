@@ -11,7 +11,7 @@ tokens a model without a cache would process (the sum of every step's prompt), a
     python benchmarks/context.py summary runs/ctx/eval_*.jsonl
 
 prints each eval's accuracy with a bootstrap 95% interval over tasks, and its mean turns, training
-tokens and largest prompt per episode (from the trajectory records of `agent-r1 eval out=FILE`).
+tokens per episode and longest training row (from the trajectory records of `agent-r1 eval out=FILE`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def scaling(budget: int, documents: list[int], records: int) -> None:
 
 
 def summary(paths: list[Path]) -> None:
-    print("| eval | episodes | accuracy [95% interval] | turns | training tokens | largest prompt |")
+    print("| eval | episodes | accuracy [95% interval] | turns | training tokens | longest row |")
     print("|---|---|---|---|---|---|")
     for path in paths:
         records = list(read_records(path))

@@ -39,6 +39,7 @@ SUMMARY_REQUEST = (
     "will need. Write it inside <summary></summary> and call no tool."
 )
 ELIDED = "[tool output elided"
+MEMO_TOKENS = 32  # the words around a summary or a note list, and the dropped-turns line, at most
 _SUMMARY = re.compile(r"<summary>(.*?)(?:</summary>|$)", re.DOTALL)
 
 
@@ -94,9 +95,17 @@ class ManagedContext:
         self.noted = False  # a note was written since the last prompt
         self.awaiting_summary = False  # the last prompt asked for a summary
         n = len(fmt.initial(head))
-        reserve = cfg.summary_tokens if cfg.strategy in ("summarize", "memory") else 0
+        reserve = 0  # what a prompt always holds beyond the head: the memo, a summary or a note, the request
+        if cfg.strategy in ("summarize", "memory"):
+            reserve = cfg.summary_tokens + MEMO_TOKENS
+        # the request's tokens and the few that join it to the last results
+        self.request_tokens = len(fmt.tokenizer.encode(SUMMARY_REQUEST, add_special_tokens=False)) + 4
+        self.longest = 0  # the longest turn so far (response and results), in tokens
+        if cfg.strategy == "summarize":
+            reserve += self.request_tokens
         if cfg.budget and n + reserve >= cfg.budget:
-            extra = f" plus task.context.summary_tokens={reserve}" if reserve else ""
+            extra = f" plus {reserve} for task.context.summary_tokens={cfg.summary_tokens} and its frame"
+            extra = extra if reserve else ""
             raise ValueError(
                 f"task.context.budget={cfg.budget} leaves no room: the system prompt and task take {n} tokens{extra}"
             )
@@ -138,23 +147,26 @@ class ManagedContext:
 
     # --- after a turn -------------------------------------------------------------------------------
 
-    def after_turn(self, turn: list[Message], appended: int) -> list[Message] | None:
+    def after_turn(self, turn: list[Message], appended: int, before: int) -> list[Message] | None:
         """Record a turn (the assistant's message and its results). Returns the next prompt's messages when
-        the context is rewritten, None when the turn is appended token for token (`appended` long).
-        Raises ContextOverflow for an `append` context past its budget."""
+        the context is rewritten, None when the turn is appended token for token (`appended` long; the
+        context was `before` long). Raises ContextOverflow for an `append` context past its budget."""
         self.turns.append(turn)
+        self.longest = max(self.longest, appended - before)
         cfg = self.cfg
         if cfg.strategy == "memory" and (self.noted or len(self.turns) > cfg.keep_turns or appended > cfg.budget):
             self.noted = False
             self._drop(len(self.turns) - cfg.keep_turns)
             return self._fit(int(cfg.keep * cfg.budget))
+        if cfg.strategy == "summarize" and appended + self.request_tokens + self.longest > cfg.budget:
+            # asked while the request still fits: one more turn as long as the longest so far might not,
+            # and eliding outputs to make room would hide what the summary must keep
+            self.awaiting_summary = True
+            return self._fit(cfg.budget, request=True)
         if appended <= cfg.budget:
             return None
         if cfg.strategy == "append":
             raise ContextOverflow(f"the next prompt has {appended} tokens, past task.context.budget={cfg.budget}")
-        if cfg.strategy == "summarize":
-            self.awaiting_summary = True
-            return self._fit(cfg.budget, request=True)
         return self._fit(int(cfg.keep * cfg.budget))
 
     def take_summary(self, text: str) -> tuple[list[Message], list[str]]:
@@ -178,7 +190,7 @@ class ManagedContext:
         self.summary = summary
         self.dropped += len(self.turns)
         self.turns = []
-        return self.view(), problems
+        return self._fit(self.cfg.budget), problems
 
     def note(self, text: str) -> str:
         """The memory strategy's `note` tool: keep a note (cut to `summary_tokens`) for every later prompt."""
@@ -197,32 +209,48 @@ class ManagedContext:
         self.turns, self.dropped = self.turns[n:], self.dropped + n
 
     def _fit(self, target: int, request: bool = False) -> list[Message]:
-        """The next prompt's messages, shrunk until they take at most `target` tokens: the oldest tool
-        outputs elided (elide, summarize, memory), then the oldest turns dropped, then the newest turn's
-        outputs cut, then the newest turn dropped, then the oldest notes; never past the head."""
+        """The next prompt's messages, brought down to `target` tokens by taking from the older turns (their
+        tool outputs elided, except under truncate, then the turns dropped). Only while the prompt is
+        over the budget does it go further: the newest turn's outputs cut, then that turn dropped, then
+        the oldest notes. Raises ContextOverflow if even the head cannot fit (the start-up check makes that
+        a misconfiguration)."""
         while True:
             messages = self.view(request)
-            if self.tokens(messages) <= target or not self._shrink():
+            n = self.tokens(messages)
+            if n <= target:
                 return messages
+            if self._shrink_older():
+                continue
+            if n <= self.cfg.budget:
+                return messages
+            if not self._shrink_newest():
+                raise ContextOverflow(f"{n} tokens with every turn dropped, past task.context.budget={self.cfg.budget}")
 
-    def _shrink(self) -> bool:
-        """One step of `_fit`; False when nothing is left to take away."""
+    def _shrink_older(self) -> bool:
+        """Elide the oldest tool output of a turn before the newest (not under truncate: a short one is left
+        as it is), else drop the oldest turn; False when there is no older turn."""
         if self.cfg.strategy != "truncate":
             for turn in self.turns[:-1]:
                 for i, m in enumerate(turn[1:], 1):
-                    if isinstance(m.get("content"), str) and not m["content"].startswith(ELIDED):
+                    content = m.get("content")
+                    if isinstance(content, str) and not content.startswith(ELIDED) and self._length(content) > 16:
                         turn[i] = _elided(m, self.fmt)
                         self.elided += 1
                         return True
         if len(self.turns) > 1:
             self._drop(1)
             return True
+        return False
+
+    def _shrink_newest(self) -> bool:
+        """Halve the newest turn's longest text output, else drop that turn, else the oldest note."""
         if self.turns:
             newest = self.turns[0]
             for i, m in enumerate(newest[1:], 1):
-                ids = self.fmt.tokenizer.encode(m.get("content") or "", add_special_tokens=False)
-                if isinstance(m.get("content"), str) and len(ids) > 16:
-                    newest[i] = {**m, "content": self.fmt.tokenizer.decode(ids[: len(ids) // 2]) + " ...[cut]"}
+                content = m.get("content")
+                if isinstance(content, str) and (n := self._length(content)) > 16:
+                    ids = self.fmt.tokenizer.encode(content, add_special_tokens=False)
+                    newest[i] = {**m, "content": self.fmt.tokenizer.decode(ids[: n // 2]) + " ...[cut]"}
                     return True
             self.turns, self.dropped = [], self.dropped + 1
             return True
@@ -230,6 +258,9 @@ class ManagedContext:
             self.notes.pop(0)
             return True
         return False
+
+    def _length(self, text: str) -> int:
+        return len(self.fmt.tokenizer.encode(text, add_special_tokens=False))
 
     def info(self) -> dict[str, Any]:
         """What the step's record shows about the context (the trajectory viewer)."""

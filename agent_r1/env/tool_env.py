@@ -232,7 +232,7 @@ class ToolEnv:
             after_eos = action.finish_reason == "eos"
             appended = self.context + action.token_ids + self.format.continuation(turn, after_eos=after_eos)
             if self.managed is not None:
-                rewritten = self.managed.after_turn([response, *turn], len(appended))
+                rewritten = self.managed.after_turn([response, *turn], len(appended), len(self.context))
             if rewritten is None:
                 self.context = appended
                 self.images += self.format.images(turn)
@@ -246,9 +246,13 @@ class ToolEnv:
         tool-calling one earns -summary_penalty."""
         assert self.managed is not None and self.context_cfg is not None
         self.messages.append({"role": "assistant", "content": action.text})
-        rewritten, problems = self.managed.take_summary(action.text)
-        self.context, self.images = self.format.initial(rewritten), self.format.images(rewritten)
         info: dict[str, Any] = {"tool_calls": 0, "format_errors": 0, "tool_errors": {}, "truncated_outputs": 0}
+        try:
+            rewritten, problems = self.managed.take_summary(action.text)
+        except ContextOverflow:
+            info["termination"] = Termination.CONTEXT_OVERFLOW
+            return StepResult(None, 0.0, True, info)
+        self.context, self.images = self.format.initial(rewritten), self.format.images(rewritten)
         info["summary_problems"] = problems
         self._context_info(info, True, summaries=1.0, bad_summaries=float(bool(problems)))
         reward = -self.context_cfg.summary_penalty if problems else None
@@ -283,6 +287,8 @@ class ToolEnv:
         task is the group's own), without the agent's thoughts and call syntax; images by their digest."""
         shown = [text_only(m)["content"] for m in self.messages[self.start :] if m["role"] != "assistant"]
         shown += [image.digest for image in self.images]
+        if self.managed is not None:  # what a managed context carries: a summary step moves the state on
+            shown += [self.managed.summary, *self.managed.notes, self.managed.awaiting_summary]
         return hashlib.sha1(json.dumps(shown).encode()).hexdigest()[:16]
 
     async def _run_calls(self, parsed: list, info: dict) -> tuple[list[str], list[list[Any]], list[float], Counter]:

@@ -128,7 +128,7 @@ def replay_demo(
     assistant turns are replayed through the env, which runs the tools and shows each next prompt as a
     rollout would (truncated, elided, with notes), so SFT sees the rows RL will (`merge_trajectory`: each
     rewrite starts a new row). When the env asks for a summary, the task's `summary(task, history)`
-    writes it."""
+    writes it from what the model sees then."""
     fmt, tokenizer = env.format, env.format.tokenizer
     turns = iter(m["content"] for m in demo if m["role"] == "assistant")
 
@@ -140,7 +140,7 @@ def replay_demo(
                     raise ValueError(
                         "task.context.strategy=summarize needs the task's summary() for SFT demonstrations"
                     )
-                text = summary(task, env.messages)
+                text = summary(task, env.managed.view(request=True))  # what the model sees when it writes one
             elif (text := next(turns, None)) is None:
                 break
             ids = tokenizer.encode(text, add_special_tokens=False)
@@ -149,10 +149,16 @@ def replay_demo(
                 ids.append(tokenizer.eos_token_id)
             prompt = list(obs.token_ids)
             obs, *_ = await env.step(Action(ids, [0.0] * len(ids), text, finish))
-            steps.append(Step(prompt, ids, [0.0] * len(ids), index=len(steps)))
+            steps.append(Step(prompt, ids, [0.0] * len(ids), text=text, index=len(steps)))
         return steps
 
-    return asyncio.run(run())
+    async def run_and_close() -> list[Step]:
+        try:
+            return await run()
+        finally:
+            await env.close()
+
+    return asyncio.run(run_and_close())
 
 
 def demo_rows(cfg: SFTConfig, env: ToolEnv, make_env: Callable[[], ToolEnv]) -> list[TrainSequence]:

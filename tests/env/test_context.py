@@ -94,6 +94,14 @@ async def test_every_prompt_fits_the_budget_and_the_newest_output_is_shown(token
     assert env.managed.dropped > 0 or env.managed.elided > 0
 
 
+async def test_a_rewrite_takes_from_older_turns_and_leaves_the_newest_whole_within_the_budget(tokenizer):
+    """keep=0.3 asks for less than the head and one turn: the older turns go, the newest output stays
+    whole because the prompt is within the budget."""
+    _, _, results, _ = await episode(tokenizer, ContextConfig(strategy="elide", budget=700, keep=0.3), echoes(10))
+    for i, r in enumerate(results):
+        assert fruit(i) in tokenizer.decode(r.observation.token_ids)
+
+
 async def test_truncate_drops_whole_turns_and_says_so(tokenizer):
     env, _, results, _ = await episode(tokenizer, ContextConfig(strategy="truncate", budget=700), echoes(12))
     last = tokenizer.decode(results[-1].observation.token_ids)
@@ -134,6 +142,7 @@ async def test_summarize_asks_for_a_summary_and_restarts_from_it(tokenizer):
     assert "Summary of your work so far:\nfruit0 came first; fruit1..fruit11 seen." in after
     assert "<tool_response>\n" not in after and QUESTION in after
     assert summary_step.reward is None and summary_step.info["metrics"]["context/summaries"] == 1
+    assert summary_step.observation.state != results[asked[0] - 2].observation.state  # GiGPO: a new state
     assert env.turn == len(results) - len(asked)  # a summary step is not a turn of the task
     assert results[-1].done and results[-1].reward == 1.0
 
@@ -188,7 +197,7 @@ async def test_a_budget_smaller_than_the_task_is_one_line_naming_the_key(tokeniz
         ValueError, match=r"task.context.budget=100 leaves no room: the system prompt and task take \d+"
     ):
         await episode(tokenizer, ContextConfig(strategy="truncate", budget=100), [])
-    with pytest.raises(ValueError, match=r"plus task\.context\.summary_tokens=256"):
+    with pytest.raises(ValueError, match=r"plus \d+ for task\.context\.summary_tokens=256 and its frame"):
         await episode(tokenizer, ContextConfig(strategy="summarize", budget=400), [])
 
 

@@ -99,6 +99,18 @@ def test_a_learned_strategy_carries_the_first_value_to_the_answer(tokenizer, str
         assert first in prompt and f"{task['people'][0]} lives" not in prompt
 
 
+def test_a_demonstrations_summary_states_only_what_its_prompt_shows(tokenizer):
+    for task in dossiers.tasks(OPTIONS, "test", 8):
+        steps, _ = final_prompt(tokenizer, "summarize", task)
+        for s in steps:
+            if s.text.startswith("<summary>"):
+                prompt = tokenizer.decode(s.prompt_ids)
+                for i in range(2):
+                    if f"{task['people'][i]}'s {task['attribute']} is {task['values'][i]}" in s.text:
+                        fact = f"{task['people'][i]}'s {task['attribute']} is {task['values'][i]}"
+                        assert f"{task['people'][i]} lives" in prompt or fact in prompt
+
+
 def test_summarize_demonstrations_become_rows_with_their_summaries(tokenizer):
     spec = TaskSpec.from_raw(
         {"name": "dossiers", "context": {"strategy": "summarize", "budget": 1024}}, "task", TaskSpec()
