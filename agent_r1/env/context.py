@@ -8,7 +8,7 @@ context need not only grow. `ContextConfig` is `task.context.*` for any task who
 - `truncate`: the oldest turns are dropped (a sliding window after the system prompt and task).
 - `elide`: the oldest tool outputs are replaced by a marker, the model's own turns kept ("observation
   masking": Lindenbauer et al. 2025, "The Complexity Trap"); turns are dropped only if that is not enough.
-- `summarize`: when the budget is reached, the model is asked for a summary of its work. That summary
+- `summarize`: before the budget is reached, the model is asked for a summary of its work. That summary
   is a sampled step, trained like any other; the episode goes on from system + task + summary (ReSum:
   Wu et al. 2025; MEM1: Zhou et al. 2025 learn the same consolidation with RL).
 - `memory`: a `note` tool the model writes to; its notes are shown after the task in every prompt and
