@@ -25,17 +25,6 @@ HYPOTHESIS_PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 settings.load_profile(HYPOTHESIS_PROFILE)
 
 
-def pytest_configure(config):
-    """Under pytest-xdist (`make test`), the workers share the machine's cores: each gets its share of
-    torch threads, and so do the processes its tests start (torchrun ranks, servers), which read
-    OMP_NUM_THREADS. Without this, every worker would run as many threads as there are cores."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1:
-        threads = max(1, (os.cpu_count() or 1) // workers)
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        torch.set_num_threads(threads)
-
-
 def examples(n: int) -> int:
     """`max_examples` of a fuzz test: n by default, 10 * n under HYPOTHESIS_PROFILE=long."""
     return n * (10 if HYPOTHESIS_PROFILE == "long" else 1)

@@ -155,5 +155,6 @@ async def test_the_page_shows_what_a_managed_context_did(tmp_path, tokenizer):
             heads = await page.locator(".pane .turn .head").all_inner_texts()
             await browser.close()
     k = next(i for i, h in enumerate(heads) if "summary step" in h)
-    assert "context rewritten (summarize:" in heads[k]  # the request came with a shrunk context
-    assert "restarted from the summary" in heads[k + 1] and "summary step" not in heads[k + 1]
+    assert "context rewritten" not in heads[k]  # the request is appended: it extends the prompt before
+    assert "context rewritten (summarize:" in heads[k + 1] and "restarted from the summary" in heads[k + 1]
+    assert "summary step" not in heads[k + 1]

@@ -78,7 +78,7 @@ def test_eval_runs_tau2_from_one_command_line(tiny_model_dir):
         overrides = [f"model={tiny_model_dir}", "task=tau2", "task.domain=mock", f"task.user_url={url}/v1"]
         cfg = load_config(EvalConfig, None, [*overrides, "num_tasks=20", "max_turns=2", "max_new_tokens=8"])
         metrics, trajs = run_eval(cfg)
-    assert metrics["episodes"] == 9.0 and metrics["errors"] == 0.0
+    assert metrics["episodes"] == 9.0 and metrics["errors"] == 0.0, [t.error for t in trajs if t.error]
     assert sorted(t.task["task_id"] for t in trajs) == sorted(
         t["task_id"] for t in t2.tasks(cfg.task.options, "test", 9)
     )
