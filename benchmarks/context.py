@@ -1,7 +1,7 @@
 """Context management (docs/context.md): how an episode's compute grows with its turns under each strategy,
 and what evals of the strategies scored.
 
-    python benchmarks/context.py scaling [--budget 512] [--documents 6 12 24 48]
+    python benchmarks/context.py scaling [--budget 640] [--documents 6 12 24 48]
 
 replays `task=dossiers`' scripted demonstration (read every document in order, then answer) through the
 env under each strategy, for reads of growing length, and prints per episode: the turns, the prompt
@@ -71,7 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("scaling")
-    s.add_argument("--budget", type=int, default=512)
+    s.add_argument("--budget", type=int, default=640)
     s.add_argument("--documents", type=int, nargs="+", default=[6, 12, 24, 48])
     s.add_argument("--records", type=int, default=4)
     e = sub.add_parser("summary")
