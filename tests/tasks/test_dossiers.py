@@ -100,15 +100,17 @@ def test_a_learned_strategy_carries_the_first_value_to_the_answer(tokenizer, str
 
 
 def test_a_demonstrations_summary_states_only_what_its_prompt_shows(tokenizer):
+    stated = 0
     for task in dossiers.tasks(OPTIONS, "test", 8):
         steps, _ = final_prompt(tokenizer, "summarize", task)
-        for s in steps:
-            if s.text.startswith("<summary>"):
-                prompt = tokenizer.decode(s.prompt_ids)
-                for i in range(2):
-                    if f"{task['people'][i]}'s {task['attribute']} is {task['values'][i]}" in s.text:
-                        fact = f"{task['people'][i]}'s {task['attribute']} is {task['values'][i]}"
-                        assert f"{task['people'][i]} lives" in prompt or fact in prompt
+        for s in (s for s in steps if s.text.startswith("<summary>")):
+            prompt = tokenizer.decode(s.prompt_ids)
+            for i in range(2):
+                fact = f"{task['people'][i]}'s {task['attribute']} is {task['values'][i]}"
+                if fact in s.text:
+                    stated += 1
+                    assert f"{task['people'][i]} lives" in prompt or fact in prompt
+    assert stated >= 8  # every task's summaries carry at least its first value
 
 
 def test_summarize_demonstrations_become_rows_with_their_summaries(tokenizer):
