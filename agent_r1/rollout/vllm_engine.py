@@ -26,9 +26,12 @@ hold blocks of it), and sample on from there. Every token records the `weights_v
 update (vLLM's sleep mode); the next weight sync or request wakes it.
 
 vLLM runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the weights move by a memory copy
-rather than through a socket. vLLM lowers torch's thread count for itself on a CPU; the trainer's is
-restored after start-up. Under torchrun on GPUs each rank's engine is on that rank's GPU (vLLM's
-`external_launcher` executor, `executor_options`), and the driver thread works on that GPU too.
+rather than through a socket. vLLM's CPU worker replaces `torch.set_num_threads` with a no-op for the
+whole process; the trainer's function and thread count are restored after start-up, and the driver
+thread runs on the same count (OpenMP's count is per thread, and vLLM's CPU attention aborts when its
+metadata and its kernel see different counts: `thread_num == thread_num (2 vs. 1)`). Under torchrun on
+GPUs each rank's engine is on that rank's GPU (vLLM's `external_launcher` executor, `executor_options`),
+and the driver thread works on that GPU too.
 """
 
 from __future__ import annotations
@@ -151,7 +154,7 @@ class VLLMEngine:
         longest = max_context or int(getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 2048))
         if kv_cache_gb is None and self._cpu:
             kv_cache_gb = 4.0
-        threads = torch.get_num_threads()
+        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         self.llm = vllm.LLM(
             model=str(model_path),
             dtype=dtype,
@@ -167,7 +170,9 @@ class VLLMEngine:
             **({"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if kv_cache_gb else {}),
             **executor_options(self._cpu),
         )
-        torch.set_num_threads(threads)  # vLLM drops it to 1 "for serving"; the trainer needs its cores
+        torch.set_num_threads = set_threads  # vLLM's CPU worker made it a no-op; the trainer sets threads too
+        torch.set_num_threads(threads)
+        self._threads = threads
         # the GPU vLLM's worker chose (and made current in this thread); CUDA's current device is per thread
         self._device = None if self._cpu else torch.cuda.current_device()
         self._vllm = vllm
@@ -238,9 +243,12 @@ class VLLMEngine:
         """The driver thread: step while any request runs. `_stepping` marks the stretch in which it uses
         vLLM (and changes `_running`); between two steps it stands aside for a pause that is ready
         (`_paused`), which could not otherwise win the lock from it."""
-        if self._device is not None:  # a new thread starts on GPU 0: what vLLM allocates here goes to its GPU
-            import torch
+        import torch
 
+        # a new thread starts at OpenMP's process default (OMP_NUM_THREADS or the core count), not at the
+        # count torch was given: vLLM's CPU attention needs one count for its metadata and its kernel
+        torch.set_num_threads(self._threads)
+        if self._device is not None:  # a new thread starts on GPU 0: what vLLM allocates here goes to its GPU
             torch.cuda.set_device(self._device)
         while True:
             with self._cond:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 
 import pytest
 import torch
@@ -24,14 +25,30 @@ pytestmark = pytest.mark.slow
 def smol():
     """The bundled SmolLM2-135M: the trainer's model and a vLLM engine started from the same weights,
     with llvmlite's `ffi.lib` loaded first, as the HotpotQA task's BM25 (numba) loads it: vLLM's CPU
-    kernel scan used to fail on it (`vllm_engine._guard_kernel_scan`)."""
+    kernel scan used to fail on it (`vllm_engine._guard_kernel_scan`). The engine starts under a torch
+    thread count other than OpenMP's process default (the core count), as in a worker of a parallel test
+    run or after a user's `torch.set_num_threads`: vLLM's CPU attention aborted there (`thread_num (2 vs. 1)`)."""
     import llvmlite.binding.ffi
 
     llvmlite.binding.ffi.lib.LLVMPY_GetProcessTriple  # noqa: B018 - materialise the library wrapper
     model, tokenizer = load_model("default")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if (os.cpu_count() or 1) > 1 else 2)
     engine = VLLMEngine(resolve_model_path("default"), max_context=1024, seed=0, kv_cache_gb=1)
     yield model, tokenizer, engine
     engine.shutdown()
+    torch.set_num_threads(threads)
+
+
+def test_torch_set_num_threads_works_after_start_up(smol):
+    """vLLM's CPU worker replaces `torch.set_num_threads` with a no-op for the whole process; the trainer
+    sets its threads after the engine starts, so the engine puts the real one back."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(before + 1)
+        assert torch.get_num_threads() == before + 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def chat_prompts(tokenizer) -> list[list[int]]:

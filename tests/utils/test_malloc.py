@@ -68,5 +68,6 @@ print(before, _rss(), released)
 def test_release_memory_returns_freed_heap_blocks_and_cycles_to_the_os():
     out = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, check=True)
     before, after, released = map(int, out.stdout.split())
-    # 400 MB of freed heap blocks plus the 256 MB cycle: well over half a gigabyte goes back
-    assert before - after > 550e6 and released == before - after
+    # 400 MB of freed heap blocks plus the 256 MB cycle: well over half a gigabyte goes back, and what
+    # release_memory reports is what the process measured, to a few pages (the interpreter's own)
+    assert before - after > 550e6 and abs(released - (before - after)) < 1 << 20
