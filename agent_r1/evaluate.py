@@ -5,10 +5,14 @@ Reads top to bottom: load model -> build env + engine -> roll out every task -> 
 
 from __future__ import annotations
 
+import contextlib
+import json
+import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any, Literal, TextIO
 
 import numpy as np
 from rich.console import Console
@@ -26,6 +30,7 @@ from agent_r1.rollout.engine import Engine, SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.task import TaskSpec, resolve_chat, resolve_tool_format
 from agent_r1.types import Termination, Trajectory
+from agent_r1.utils.progress import progress_bar
 
 ERROR_WARNING = 0.5  # above this share of errored episodes, the accuracy says nothing about the model
 
@@ -67,7 +72,8 @@ class EvalConfig:
     seed: int = 0
     """sampling seed"""
     out: str | None = None
-    """write trajectory records here (.jsonl, or .jsonl.gz; `agent-r1 view OUT` browses them)"""
+    """write trajectory records here (.jsonl, or .jsonl.gz; `agent-r1 view OUT` browses them); while eval
+    runs, each finished episode's is kept in OUT's name with .partial.jsonl, which the full file replaces"""
 
     def __post_init__(self) -> None:
         if self.num_tasks < 1 or self.group_size < 1:
@@ -98,10 +104,22 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str,
     engine = LocalEngine(
         model, tokenizer, max_batch_size=cfg.max_batch_size, seed=cfg.seed, kv_cache_gb=cfg.kv_cache_gb
     )
-    with console.status(f"rolling out {len(tasks)} tasks × {cfg.group_size} on {cfg.model}"):
-        metrics, trajs = evaluate(engine, make_env, tasks, cfg.sampling, cfg.group_size, cfg.seed, cfg.task.kind_key)
+    kept = partial_path(cfg.out) if cfg.out else None
+    with progress_bar(console) as bar, open_partial(kept) as partial:
+        episodes = bar.add_task(f"eval {cfg.task.name}", total=len(tasks) * cfg.group_size)
+
+        def done(traj: Trajectory) -> None:
+            bar.advance(episodes)
+            if partial is not None:  # a long eval killed midway keeps the episodes it finished
+                partial.write(json.dumps(trajectory_records([traj], tokenizer)[0], default=str) + "\n")
+                partial.flush()
+
+        metrics, trajs = evaluate(
+            engine, make_env, tasks, cfg.sampling, cfg.group_size, cfg.seed, cfg.task.kind_key, on_done=done
+        )
     if cfg.out:  # the viewer reads these: agent-r1 view OUT
         write_records(cfg.out, trajectory_records(trajs, tokenizer))
+        kept.unlink()
     console.print(report_table(cfg.model, metrics))
     if metrics["errors"] > ERROR_WARNING:
         console.print(
@@ -111,16 +129,35 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str,
     return metrics, trajs
 
 
+def partial_path(out: str | Path) -> Path:
+    """Where eval keeps each finished episode's record as it goes (`runs/x.jsonl` -> `runs/x.partial.jsonl`),
+    until the whole file, in task order, replaces it: a kill an hour into a τ² eval loses nothing finished.
+    `agent-r1 view` and `benchmarks/paired_eval.py` read it like any record file."""
+    out = Path(out)
+    return out.with_name(re.sub(r"\.jsonl(\.gz)?$", "", out.name) + ".partial.jsonl")
+
+
+@contextlib.contextmanager
+def open_partial(path: Path | None) -> Iterator[TextIO | None]:
+    if path is None:
+        yield None
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        yield f
+
+
 def evaluate(
     engine: Engine, make_env: Callable[[], Env], tasks: list[dict[str, Any]], sampling: SamplingParams,
     group_size: int = 1, seed: int = 0, kind_key: str | None = None,
+    on_done: Callable[[Trajectory], None] | None = None,
 ) -> tuple[dict[str, float], list[Trajectory]]:  # fmt: skip
     """Roll every task out `group_size` times; summary metrics plus `accuracy`, `episodes`, `errors`
-    (the share that ended in an exception) and `seconds`.
+    (the share that ended in an exception) and `seconds`. `on_done(traj)` is called as each episode ends.
 
     Accuracy is the share of episodes that solved their task (`agent_loop.correct`)."""
     start = time.perf_counter()
-    trajs = AgentEnvLoop(engine, make_env, sampling, seed=seed).run_sync(tasks, group_size)
+    trajs = AgentEnvLoop(engine, make_env, sampling, seed=seed).run_sync(tasks, group_size, on_done=on_done)
     metrics = summarize(trajs)
     metrics["seconds"] = time.perf_counter() - start
     metrics["accuracy"] = sum(map(correct, trajs)) / len(trajs)

@@ -128,3 +128,76 @@ def test_a_context_budget_too_small_for_the_task_stops_eval_in_one_line(tiny_mod
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [next(line for line in err if "task.context.budget=64 leaves no room" in line)]
+
+
+STALLING_TASK = '''
+"""Two episodes end at once (their service refuses them); the others wait on a service that never answers."""
+import asyncio
+from dataclasses import dataclass
+
+
+@dataclass
+class Options:
+    pass
+
+
+def tasks(options, split, n, seed=0):
+    return [{"question": f"q{i}", "answer": i} for i in range(n)]
+
+
+class Service:
+    stop = ()
+
+    async def reset(self, task):
+        if task["answer"] in (1, 3):
+            await asyncio.sleep(3600)
+        raise ConnectionError(f"episode {task['answer']} refused")
+
+
+def make_env(options, prompt_format, max_turns=4):
+    return Service()
+'''
+
+
+def test_a_killed_eval_keeps_the_episodes_it_finished(tmp_path, tiny_model_dir):
+    """Records used to be written only at the end, so a τ² eval killed after an hour kept nothing. Each
+    finished episode's record now goes to OUT.partial.jsonl as it ends; a SIGKILL leaves those, whole."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from agent_r1.observe.records import read_records
+
+    (tmp_path / "stalling_task.py").write_text(STALLING_TASK)
+    out, partial = tmp_path / "evals" / "run.jsonl.gz", tmp_path / "evals" / "run.partial.jsonl"
+    args = [sys.executable, "-m", "agent_r1.cli", "eval", f"model={tiny_model_dir}", "task=stalling_task",
+            "num_tasks=4", f"out={out}"]  # fmt: skip
+    env = os.environ | {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.getcwd()}", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (partial.is_file() and partial.read_text().count("\n") == 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    kept = list(read_records(partial))
+    assert sorted(r["task"]["answer"] for r in kept) == [0, 2]
+    assert all("ConnectionError" in r["error"] for r in kept) and not out.exists()
+
+
+def test_a_finished_eval_writes_every_record_in_task_order_and_drops_the_partial_file(tmp_path, tiny_model_dir):
+    from agent_r1.config import load_config
+    from agent_r1.evaluate import EvalConfig, run_eval
+    from agent_r1.observe.records import read_records
+
+    out = tmp_path / "eval.jsonl"
+    cfg = load_config(EvalConfig, None, [f"model={tiny_model_dir}", "task=calculator", "num_tasks=3",
+                                         "max_new_tokens=4", "max_turns=1", f"out={out}"])  # fmt: skip
+    _, trajs = run_eval(cfg)
+    assert [r["task"] for r in read_records(out)] == [t.task for t in trajs] and len(trajs) == 3
+    assert not (tmp_path / "eval.partial.jsonl").exists()

@@ -45,25 +45,40 @@ class AgentEnvLoop:
         self.seed = seed
 
     async def run(
-        self, tasks: list[dict[str, Any]], group_size: int = 1, first_index: int = 0, cohort: bool = True
+        self,
+        tasks: list[dict[str, Any]],
+        group_size: int = 1,
+        first_index: int = 0,
+        cohort: bool = True,
+        on_done: Callable[[Trajectory], None] | None = None,
     ) -> list[Trajectory]:
         """Trajectories of every task × `group_size` samples, grouped task by task. Trajectory i is
         seeded as the loop's `first_index + i`-th: a worker given a share of a batch samples its
         trajectories exactly as one loop over the whole batch would. `cohort=False` lets other callers'
-        requests share the engine's batches as they come (an asynchronous producer's groups)."""
+        requests share the engine's batches as they come (an asynchronous producer's groups).
+        `on_done(traj)` is called as each episode ends, in the order they end (eval's progress and the
+        records it keeps as it goes)."""
         trajs = []
         for task in tasks:
             group = uuid.uuid4().hex[:12]
             trajs += [Trajectory(task=task, traj_id=f"{group}-{g}", group_id=group) for g in range(group_size)]
         make_cohort = getattr(self.engine, "cohort", None) if cohort else None  # LocalEngine: timing-free batches
         with make_cohort(len(trajs)) if make_cohort else contextlib.nullcontext() as members:
-            await asyncio.gather(*(self._episode(t, first_index + i, members) for i, t in enumerate(trajs)))
+            await asyncio.gather(*(self._episode(t, first_index + i, members, on_done) for i, t in enumerate(trajs)))
         return trajs
 
-    def run_sync(self, tasks: list[dict[str, Any]], group_size: int = 1, first_index: int = 0) -> list[Trajectory]:
-        return asyncio.run(self.run(tasks, group_size, first_index))
+    def run_sync(
+        self,
+        tasks: list[dict[str, Any]],
+        group_size: int = 1,
+        first_index: int = 0,
+        on_done: Callable[[Trajectory], None] | None = None,
+    ) -> list[Trajectory]:
+        return asyncio.run(self.run(tasks, group_size, first_index, on_done=on_done))
 
-    async def _episode(self, traj: Trajectory, index: int, cohort: Any = None) -> None:
+    async def _episode(
+        self, traj: Trajectory, index: int, cohort: Any = None, on_done: Callable[[Trajectory], None] | None = None
+    ) -> None:
         if cohort is not None:
             cohort.join()
         env = self.make_env()
@@ -115,6 +130,8 @@ class AgentEnvLoop:
                 with contextlib.suppress(Exception):
                     await close()
         traj.metrics = trajectory_metrics(traj)
+        if on_done is not None:
+            on_done(traj)
 
     def _params(self, env: Env, index: int, turn: int) -> SamplingParams:
         """The loop's sampling params + the env's stop strings + a per-(trajectory, turn) seed."""
