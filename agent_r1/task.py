@@ -39,7 +39,6 @@ from agent_r1.data import Split
 from agent_r1.env.base import Env
 from agent_r1.env.context import ContextConfig
 from agent_r1.env.prompt_format import prompt_format_for
-from agent_r1.env.tool_env import ToolEnv
 
 BUILTIN_TASKS = (
     "bfcl", "calculator", "digits", "dossiers", "gateway", "gsm8k", "hotpotqa", "openenv", "reasoning_gym", "tau2",
@@ -172,8 +171,11 @@ class EnvFactory:
         env = load_task(self.task).make_env(self.options, fmt, self.max_turns)
         if not self.context.managed:
             return env
-        if not isinstance(env, ToolEnv):
-            raise ValueError(f"task.context needs a ToolEnv; task {self.task!r} makes a {type(env).__name__}")
+        if not callable(getattr(type(env), "manage", None)):  # a ToolEnv, or τ²'s, which manages its ToolEnv
+            raise ValueError(
+                f"task.context needs an env that manages its context (a ToolEnv, τ²); task {self.task!r} "
+                f"makes a {type(env).__name__}"
+            )
         return env.manage(self.context)
 
     def check_context(self, task: dict[str, Any]) -> None:

@@ -143,3 +143,11 @@ def test_the_mcp_example_offers_a_real_servers_tools_and_evaluates_through_the_c
     for server in module._SERVERS.values():  # the server process would otherwise live as long as pytest
         server.close()
     module._SERVERS.clear()
+
+
+def test_task_context_on_an_env_that_cannot_manage_one_is_one_line(tokenizer):
+    """`digits` answers in one step and has no ToolEnv: asking it to manage a context is refused, naming it."""
+    spec = TaskSpec.from_raw({"name": "digits", "context": {"strategy": "truncate", "budget": 512}}, "task", TaskSpec())
+    with pytest.raises(ValueError, match=r"task\.context needs an env that manages its context") as err:
+        spec.env_factory(tokenizer, True, 4)()
+    assert "'digits'" in str(err.value) and "\n" not in str(err.value)

@@ -20,6 +20,11 @@ a thread and hands the agent's turns to us. Here:
 - the last step's reward is τ²'s, with its parts (`reward/db`, `reward/communicate`, ...) and the
   termination reason (`tau2/user_stop`, ...) logged.
 
+Under `task.context` (env/context.py) the composed `ToolEnv` manages the conversation: a long one is
+truncated, elided, summarized by the agent or carried in its notes instead of outgrowing the context.
+The policy, the tools and the customer's first message are the head every prompt keeps; a summary step
+is not a turn of the conversation, and τ² never sees it.
+
 The user simulator is any OpenAI-compatible model, called by τ² through litellm. A simulator that does
 not answer, or a τ² step slower than `timeout_s`, ends the episode as errored (counted), never the run.
 """
@@ -35,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from agent_r1.env.base import StepResult
+from agent_r1.env.context import ContextConfig, ContextOverflow
 from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.env.tool_env import ToolEnv
 from agent_r1.tools import Tool, ToolResult
@@ -112,6 +118,12 @@ class Tau2Env:
         self.stop = (*prompt_format.tool_format.stop, *prompt_format.stop)
         self.gym: Any = None
         self.tools: ToolEnv | None = None
+        self.context_cfg: ContextConfig | None = None
+
+    def manage(self, cfg: ContextConfig) -> Tau2Env:
+        """Keep every conversation within `cfg.budget` by `cfg.strategy`: the episode's ToolEnv does it."""
+        self.context_cfg = cfg
+        return self
 
     async def reset(self, task: dict[str, Any]) -> Observation:
         """Start τ²'s simulation of task `task_id` of `domain`: the customer writes first."""
@@ -144,11 +156,15 @@ class Tau2Env:
             max_turns=self.max_turns + 1,
             max_tool_tokens=self.max_observation_tokens,
         )
+        if self.context_cfg is not None:
+            self.tools.manage(self.context_cfg)
         opening = [{"role": "assistant", "content": GREETING}, {"role": "user", "content": _message(first)}]
         return await self.tools.reset({"messages": opening})
 
     async def step(self, action: Action) -> StepResult:
         assert self.tools is not None, "reset first"
+        if self.tools.managed is not None and self.tools.managed.awaiting_summary:
+            return await self.tools.step(action)  # the agent's summary: not a turn, and not τ²'s business
         self.turn += 1
         if self.tools.calls.parse(action.text, self.tools.schemas):  # tool calls: each one τ² step
             result = await self.tools.step(action)
@@ -169,7 +185,10 @@ class Tau2Env:
                 reply = await self._act(text)
                 if self.broken is not None:
                     raise self.broken
-            obs = None if self.finished else self.tools.reply(action, [{"role": "user", "content": reply}])
+            try:
+                obs = None if self.finished else self.tools.reply(action, [{"role": "user", "content": reply}], info)
+            except ContextOverflow:
+                return StepResult(None, 0.0, True, info | {"termination": Termination.CONTEXT_OVERFLOW})
         if self.finished:
             return StepResult(None, self.reward, True, info | self.result | {"termination": Termination.ANSWERED})
         if self.turn >= self.max_turns:

@@ -209,14 +209,15 @@ class ToolEnv:
             reward = (reward or 0.0) + self.call_error_reward * mistakes
         return StepResult(self._observation(), reward, False, info)
 
-    def reply(self, action: Action, turn: list[Message]) -> Observation:
+    def reply(self, action: Action, turn: list[Message], info: dict[str, Any] | None = None) -> Observation:
         """The next observation after a response the composing env handled itself (a message to a
         simulated user, say): the response, then `turn` (the user's reply), in the context as a tool
-        results turn would be; counted against `max_turns` like any step."""
+        results turn would be; counted against `max_turns` like any step. `info` (the step's) gets what
+        a managed context did."""
         self.turn += 1
         self.responses.append(action.text)
         self.messages.append({"role": "assistant", "content": action.text})
-        self._extend(action, turn)
+        self._extend(action, turn, info)
         return self._observation()
 
     def _extend(self, action: Action, turn: list[Message], info: dict[str, Any] | None = None) -> None:

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from agent_r1.env.context import ContextConfig
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.env.tau2 import GREETING, Tau2Env
 from agent_r1.rollout.agent_loop import AgentEnvLoop
@@ -33,14 +34,15 @@ def user(url: str) -> dict:
     return {"model": "openai/customer", "api_base": url, "api_key": "none", "temperature": 0.0, "num_retries": 0}
 
 
-def run(url, tokenizer, responses, task=TASK, **kw):
+def run(url, tokenizer, responses, task=TASK, context=None, engine=ScriptedEngine, **kw):
     envs = []
 
     def make_env():
-        envs.append(Tau2Env(ChatFormat(tokenizer), user(url), **kw))
+        env = Tau2Env(ChatFormat(tokenizer), user(url), **kw)
+        envs.append(env.manage(context) if context is not None else env)
         return envs[-1]
 
-    loop = AgentEnvLoop(ScriptedEngine(tokenizer, responses), make_env, SamplingParams())
+    loop = AgentEnvLoop(engine(tokenizer, responses), make_env, SamplingParams())
     (t,) = loop.run_sync([task])
     return t, envs[0]
 
@@ -112,3 +114,64 @@ def test_a_user_simulator_that_is_down_errors_the_episode_not_the_run(tokenizer)
 def test_a_step_slower_than_the_timeout_errors_the_episode(customer_url, tokenizer):
     t, _ = run(customer_url, tokenizer, ["Please stall a moment"], timeout_s=1.0)
     assert t.termination == Termination.ERROR and "took longer than 1s" in t.error
+
+
+# -- task.context: long conversations kept within a budget (env/context.py) ------------------------------
+
+SUMMARY = "<summary>The customer is user_1 and wants a task called 'Important Meeting' created.</summary>"
+LONG_QUESTION = (
+    "Thank you for reaching out. Before I change anything in your account I need to confirm a few details, "
+    "because our policy asks me to verify who I am talking to, to check that the request is complete, and to "
+    "make sure nothing is created twice. Which user id should I use?"
+)
+
+
+class Summarizer(ScriptedEngine):
+    """The scripted agent, which also answers every summary request with SUMMARY."""
+
+    async def generate(self, prompts, params):
+        if "inside <summary></summary>" in self.tok.decode(prompts[0][-80:]):
+            self.responses.insert(0, SUMMARY)
+        return await super().generate(prompts, params)
+
+
+def head_tokens(url, tokenizer) -> int:
+    """The first prompt's length: τ²'s policy, the tools, the greeting and the customer's request."""
+    t, _ = run(url, tokenizer, ["Created."])
+    return len(t.steps[0].prompt_ids)
+
+
+def test_a_summarized_conversation_keeps_its_budget_and_still_gets_tau2s_reward(customer_url, tokenizer):
+    """τ²'s conversations outgrew SmolLM2's 8,192 tokens (13 of 20 airline tasks). Under the summarize
+    strategy the agent's own summary replaces the history: the summary step is not a conversation turn,
+    τ² never sees it, every prompt stays within the budget, and the reward is still τ²'s."""
+    budget = head_tokens(customer_url, tokenizer) + 240
+    context = ContextConfig(strategy="summarize", budget=budget, summary_tokens=32)
+    responses = [LONG_QUESTION, CREATE % "Important Meeting", "Done: the task is created."]
+    t, _ = run(customer_url, tokenizer, responses, context=context, engine=Summarizer, max_turns=3)
+    assert t.error is None and t.termination == Termination.ANSWERED and t.reward == 1.0
+    summaries = [s for s in t.steps if "summary_problems" in s.info]
+    assert summaries and all(s.text == SUMMARY for s in summaries)
+    assert len(t.steps) == 3 + len(summaries)  # max_turns=3 counts the conversation's turns only
+    assert all(len(s.prompt_ids) <= budget for s in t.steps)
+    after = tokenizer.decode(t.steps[t.steps.index(summaries[0]) + 1].prompt_ids)
+    assert "wants a task called 'Important Meeting'" in after and LONG_QUESTION not in after
+    assert customer.OPENING in after  # the customer's request is in the head every prompt keeps
+    assert t.metrics["context/summaries"] == len(summaries)
+
+
+def test_notes_go_to_the_agent_not_to_tau2_and_a_truncated_context_keeps_its_budget(customer_url, tokenizer):
+    head = head_tokens(customer_url, tokenizer)
+    budget = head + 200
+    note = '<tool_call>{"name": "note", "arguments": {"text": "user_1 wants Important Meeting"}}</tool_call>'
+    responses = [LONG_QUESTION, note, CREATE % "Important Meeting", "Done: the task is created."]
+    memory = ContextConfig(strategy="memory", budget=budget, summary_tokens=32, keep_turns=1)
+    t, _ = run(customer_url, tokenizer, responses, context=memory)
+    assert t.error is None and t.reward == 1.0 and t.steps[1].info["tool_calls"] == 1
+    assert "1. user_1 wants Important Meeting" in tokenizer.decode(t.steps[3].prompt_ids)
+    assert all(len(s.prompt_ids) <= budget for s in t.steps)
+    truncate = ContextConfig(strategy="truncate", budget=head + 130)  # the question's turn is dropped
+    t, _ = run(customer_url, tokenizer, [LONG_QUESTION, *responses[2:]], context=truncate)
+    assert t.error is None and t.reward == 1.0 and t.metrics["context/rewrites"] >= 1
+    assert all(len(s.prompt_ids) <= head + 130 for s in t.steps)
+    assert LONG_QUESTION not in tokenizer.decode(t.steps[-1].prompt_ids)
