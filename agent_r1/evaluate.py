@@ -9,10 +9,10 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TextIO
+from typing import Any, Literal
 
 import numpy as np
 from rich.console import Console
@@ -105,21 +105,25 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str,
         model, tokenizer, max_batch_size=cfg.max_batch_size, seed=cfg.seed, kv_cache_gb=cfg.kv_cache_gb
     )
     kept = partial_path(cfg.out) if cfg.out else None
-    with progress_bar(console) as bar, open_partial(kept) as partial:
+    if kept is not None:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+    records: dict[str, dict[str, Any]] = {}  # traj_id -> its record, made once as the episode ends
+    with progress_bar(console) as bar, open(kept, "w", encoding="utf-8") if kept else contextlib.nullcontext() as f:
         episodes = bar.add_task(f"eval {cfg.task.name}", total=len(tasks) * cfg.group_size)
 
         def done(traj: Trajectory) -> None:
             bar.advance(episodes)
-            if partial is not None:  # a long eval killed midway keeps the episodes it finished
-                partial.write(json.dumps(trajectory_records([traj], tokenizer)[0], default=str) + "\n")
-                partial.flush()
+            if f is not None:  # a long eval killed midway keeps the episodes it finished
+                records[traj.traj_id] = trajectory_records([traj], tokenizer)[0]
+                f.write(json.dumps(records[traj.traj_id], default=str) + "\n")
+                f.flush()
 
         metrics, trajs = evaluate(
             engine, make_env, tasks, cfg.sampling, cfg.group_size, cfg.seed, cfg.task.kind_key, on_done=done
         )
     if cfg.out:  # the viewer reads these: agent-r1 view OUT
-        write_records(cfg.out, trajectory_records(trajs, tokenizer))
-        kept.unlink()
+        write_records(cfg.out, [records[t.traj_id] for t in trajs])
+        kept.unlink(missing_ok=True)
     console.print(report_table(cfg.model, metrics))
     if metrics["errors"] > ERROR_WARNING:
         console.print(
@@ -135,16 +139,6 @@ def partial_path(out: str | Path) -> Path:
     `agent-r1 view` and `benchmarks/paired_eval.py` read it like any record file."""
     out = Path(out)
     return out.with_name(re.sub(r"\.jsonl(\.gz)?$", "", out.name) + ".partial.jsonl")
-
-
-@contextlib.contextmanager
-def open_partial(path: Path | None) -> Iterator[TextIO | None]:
-    if path is None:
-        yield None
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        yield f
 
 
 def evaluate(
