@@ -2,9 +2,11 @@
 
 Continuous batching needs sequences of different lengths to join and leave a running batch at any
 decode step, and a multi-turn agent needs a trajectory's keys and values to outlive its turn. Both are
-easy when every sequence owns a slot: its keys and values sit in columns 0..n-1 of its own row of one
-`[layers, 2, slots, kv_heads, capacity, head_dim]` buffer, so the key of position p is always at column
-p. A decode step writes each row's new token at that row's own column (not at a shared "end" as in a
+easy when every sequence owns a slot: its keys and values sit in columns 0..n-1 of its own row of
+each layer's `[2, slots, kv_heads, capacity, head_dim]` buffer, so the key of position p is always at
+column p. (One tensor per layer, not one for all of them: growing the buffers reallocates a layer at a
+time, so the old and the new buffers are never both whole in memory, which doubled an eval's peak.)
+A decode step writes each row's new token at that row's own column (not at a shared "end" as in a
 left-padded batch), and its attention reads only its own columns (`slot_attention`). Nothing is ever
 left-padded, so rows of any length decode together and a row can be dropped or added by moving one
 slot, not by re-aligning the batch. (vLLM gets the same freedom from paged attention; a slot is one
@@ -140,7 +142,7 @@ class SlotCache(Cache):
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, device: torch.device | str) -> None:
         super().__init__(layers=[_SlotLayer(self, i) for i in range(num_layers)])
         self.kv_heads, self.head_dim, self.device = kv_heads, head_dim, torch.device(device)
-        self.buf: torch.Tensor | None = None  # [layers, 2, slots, kv_heads, capacity, head_dim]
+        self.buf: list[torch.Tensor] | None = None  # per layer [2, slots, kv_heads, capacity, head_dim]
         self.dtype: torch.dtype | None = None  # that of the values the model computes (set by the first forward)
         self.clean = 0  # columns 0..clean-1 of every slot hold finite values
         # set by `packed` for one forward pass:
@@ -164,11 +166,16 @@ class SlotCache(Cache):
 
     @property
     def slots(self) -> int:
-        return 0 if self.buf is None else self.buf.shape[2]
+        return 0 if self.buf is None else self.buf[0].shape[1]
 
     @property
     def capacity(self) -> int:
-        return 0 if self.buf is None else self.buf.shape[4]
+        return 0 if self.buf is None else self.buf[0].shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffers hold."""
+        return 0 if self.buf is None else sum(b.nbytes for b in self.buf)
 
     def bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         """Bytes one token's keys and values take over all layers."""
@@ -177,24 +184,28 @@ class SlotCache(Cache):
 
     def reserve(self, slots: int, capacity: int, dtype: torch.dtype | None = None) -> None:
         """Reallocate to exactly `slots` sequences of at least `capacity` tokens (capacity never
-        shrinks); the slots both buffers have keep what they hold."""
+        shrinks); the slots both buffers have keep what they hold. One layer at a time: at most one
+        layer's old buffer is held beside the new ones, not a whole second cache."""
         dtype = dtype or self.dtype or torch.float32
         capacity = max(capacity, self.capacity)
         if self.buf is not None and (slots, capacity, dtype) == (self.slots, self.capacity, self.dtype):
             return
-        new = torch.empty(
-            (len(self.layers), 2, slots, self.kv_heads, capacity, self.head_dim), dtype=dtype, device=self.device
-        )
         keep = min(slots, self.slots)
-        if self.buf is not None:
-            new[:, :, :keep, :, : self.clean] = self.buf[:, :, :keep, :, : self.clean]
-        new[:, :, keep:, :, : self.clean] = 0
-        self.buf, self.dtype = new, dtype
+        old, self.buf = self.buf, []
+        for i in range(len(self.layers)):
+            new = torch.empty((2, slots, self.kv_heads, capacity, self.head_dim), dtype=dtype, device=self.device)
+            if old is not None:
+                new[:, :keep, :, : self.clean] = old[i][:, :keep, :, : self.clean]
+                old[i] = None  # freed before the next layer's buffer is allocated
+            new[:, keep:, :, : self.clean] = 0
+            self.buf.append(new)
+        self.dtype = dtype
 
     def read_up_to(self, width: int) -> None:
         """Make columns 0..width-1 of every slot finite before an attention reads them."""
         if width > self.clean:
-            self.buf[:, :, :, :, self.clean : width] = 0
+            for layer in self.buf:
+                layer[:, :, :, self.clean : width] = 0
             self.clean = width
 
     def release(self) -> None:
@@ -204,15 +215,17 @@ class SlotCache(Cache):
     def move(self, src: int, dst: int, n: int) -> None:
         """Copy the first `n` columns of slot `src` to slot `dst`."""
         if n and src != dst:
-            self.buf[:, :, dst, :, :n] = self.buf[:, :, src, :, :n]
+            for layer in self.buf:
+                layer[:, dst, :, :n] = layer[:, src, :, :n]
 
     def swap(self, a: int, b: int, n_a: int, n_b: int) -> None:
         """Exchange slots `a` and `b`, which hold `n_a` and `n_b` columns."""
         if a == b:
             return
-        held = self.buf[:, :, a, :, :n_a].clone()
+        held = [layer[:, a, :, :n_a].clone() for layer in self.buf]
         self.move(b, a, n_b)
-        self.buf[:, :, b, :, :n_a] = held
+        for layer, h in zip(self.buf, held, strict=True):
+            layer[:, b, :, :n_a] = h
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.width

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -147,16 +148,47 @@ def test_growth_moves_and_swaps_keep_what_slots_hold():
     cache = SlotCache(num_layers=2, kv_heads=1, head_dim=2, device="cpu")
     cache.reserve(slots=2, capacity=4)
     cache.read_up_to(4)
-    assert cache.buf.shape == (2, 2, 2, 1, 4, 2) and not cache.buf.any()  # zeros: no NaN behind a mask
-    cache.buf[:, :, 0, :, :3] = 1.0
-    cache.buf[:, :, 1, :, :2] = 2.0
+
+    def buf():  # the layers' buffers as one [layers, 2, slots, kv_heads, capacity, head_dim] tensor
+        return torch.stack(cache.buf)
+
+    assert buf().shape == (2, 2, 2, 1, 4, 2) and not buf().any()  # zeros: no NaN behind a mask
+    for layer in cache.buf:
+        layer[:, 0, :, :3] = 1.0
+        layer[:, 1, :, :2] = 2.0
     cache.reserve(slots=3, capacity=8)
-    assert cache.buf.shape == (2, 2, 3, 1, 8, 2)
-    assert (cache.buf[:, :, 0, :, :3] == 1).all() and (cache.buf[:, :, 1, :, :2] == 2).all()
+    assert buf().shape == (2, 2, 3, 1, 8, 2) and cache.nbytes == 2 * 2 * 3 * 1 * 8 * 2 * 4
+    assert (buf()[:, :, 0, :, :3] == 1).all() and (buf()[:, :, 1, :, :2] == 2).all()
     cache.swap(0, 1, n_a=3, n_b=2)
-    assert (cache.buf[:, :, 1, :, :3] == 1).all() and (cache.buf[:, :, 0, :, :2] == 2).all()
+    assert (buf()[:, :, 1, :, :3] == 1).all() and (buf()[:, :, 0, :, :2] == 2).all()
     cache.move(1, 2, 3)
-    assert (cache.buf[:, :, 2, :, :3] == 1).all() and not cache.buf[:, :, 2, :, 3].any()  # a new slot: zeros
+    assert (buf()[:, :, 2, :, :3] == 1).all() and not buf()[:, :, 2, :, 3].any()  # a new slot: zeros
     assert cache.bytes_per_token() == 2 * 2 * 1 * 2 * 4
     cache.release()
     assert cache.buf is None and cache.slots == 0
+
+
+def test_growing_the_buffers_never_holds_a_second_whole_cache():
+    """Growth used to allocate the new [layers, ...] buffer beside the old one, so for a moment the cache
+    took its old size plus its new size (an eval's 4 GB cache, 8 GB and more). Now each layer's old
+    buffer is freed before the next layer's new one is allocated: the most held during a growth is the
+    new cache plus one old layer."""
+    layers, old_layer = 6, 2 * 4 * 1 * 64 * 2 * 4  # bytes of one layer's [2, slots=4, kv=1, capacity=64, dim=2]
+    cache = SlotCache(num_layers=layers, kv_heads=1, head_dim=2, device="cpu")
+    cache.reserve(slots=4, capacity=64)
+    cache.read_up_to(64)
+    old = cache.buf  # reserve frees its layers from this list as it goes
+    peaks, allocate = [], torch.empty
+
+    def counting_empty(shape, **kwargs):  # what is held once this allocation is made
+        held = sum(b.nbytes for b in [*cache.buf, *old] if b is not None)
+        peaks.append(held + math.prod(shape) * 4)
+        return allocate(shape, **kwargs)
+
+    torch.empty = counting_empty
+    try:
+        cache.reserve(slots=4, capacity=128)
+    finally:
+        torch.empty = allocate
+    assert cache.nbytes == 2 * old_layer * layers  # twice the columns
+    assert max(peaks) == cache.nbytes + old_layer  # the old code: cache.nbytes + layers * old_layer

@@ -173,7 +173,7 @@ async def test_requests_wait_for_kv_memory_instead_of_exceeding_it(tiny_model, t
         engine = LocalEngine(tiny_model, tokenizer, max_context=1024, max_batch_size=8, seed=0, kv_cache_gb=gb)
         served = ServedModel(engine, tokenizer, ChatFormat(tokenizer), NAME, request_timeout=60.0)
         held = []
-        hook = tiny_model.register_forward_pre_hook(lambda *_, e=engine, h=held: h.append(e._cache.buf.nbytes))
+        hook = tiny_model.register_forward_pre_hook(lambda *_, e=engine, h=held: h.append(e._cache.nbytes))
         try:
             transport = httpx.ASGITransport(app=create_app(served))
             async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
