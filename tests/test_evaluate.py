@@ -37,13 +37,15 @@ def test_no_breakdown_unless_every_task_names_its_kind():
 
 
 BROKEN_TASK = '''
-"""A task whose env fails on every episode (its data service is down, say)."""
+"""A task whose env fails on every episode (its data service is down, say), or with `task.stall`, never
+answers for some of them."""
+import asyncio
 from dataclasses import dataclass
 
 
 @dataclass
 class Options:
-    pass
+    stall: tuple[int, ...] = ()
 
 
 def tasks(options, split, n, seed=0):
@@ -53,12 +55,17 @@ def tasks(options, split, n, seed=0):
 class Down:
     stop = ()
 
+    def __init__(self, stall):
+        self.stall = stall
+
     async def reset(self, task):
+        if task["answer"] in self.stall:
+            await asyncio.sleep(3600)
         raise ConnectionError("the data service is down")
 
 
 def make_env(options, prompt_format, max_turns=4):
-    return Down()
+    return Down(options.stall)
 '''
 
 
@@ -130,35 +137,6 @@ def test_a_context_budget_too_small_for_the_task_stops_eval_in_one_line(tiny_mod
     assert err == [next(line for line in err if "task.context.budget=64 leaves no room" in line)]
 
 
-STALLING_TASK = '''
-"""Two episodes end at once (their service refuses them); the others wait on a service that never answers."""
-import asyncio
-from dataclasses import dataclass
-
-
-@dataclass
-class Options:
-    pass
-
-
-def tasks(options, split, n, seed=0):
-    return [{"question": f"q{i}", "answer": i} for i in range(n)]
-
-
-class Service:
-    stop = ()
-
-    async def reset(self, task):
-        if task["answer"] in (1, 3):
-            await asyncio.sleep(3600)
-        raise ConnectionError(f"episode {task['answer']} refused")
-
-
-def make_env(options, prompt_format, max_turns=4):
-    return Service()
-'''
-
-
 def test_a_killed_eval_keeps_the_episodes_it_finished(tmp_path, tiny_model_dir):
     """Records used to be written only at the end, so a τ² eval killed after an hour kept nothing. Each
     finished episode's record now goes to OUT.partial.jsonl as it ends; a SIGKILL leaves those, whole."""
@@ -170,10 +148,10 @@ def test_a_killed_eval_keeps_the_episodes_it_finished(tmp_path, tiny_model_dir):
 
     from agent_r1.observe.records import read_records
 
-    (tmp_path / "stalling_task.py").write_text(STALLING_TASK)
+    (tmp_path / "broken_task.py").write_text(BROKEN_TASK)
     out, partial = tmp_path / "evals" / "run.jsonl.gz", tmp_path / "evals" / "run.partial.jsonl"
-    args = [sys.executable, "-m", "agent_r1.cli", "eval", f"model={tiny_model_dir}", "task=stalling_task",
-            "num_tasks=4", f"out={out}"]  # fmt: skip
+    args = [sys.executable, "-m", "agent_r1.cli", "eval", f"model={tiny_model_dir}", "task=broken_task",
+            "task.stall=[1,3]", "num_tasks=4", f"out={out}"]  # fmt: skip
     env = os.environ | {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.getcwd()}", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -187,7 +165,7 @@ def test_a_killed_eval_keeps_the_episodes_it_finished(tmp_path, tiny_model_dir):
         proc.kill()
     kept = list(read_records(partial))
     assert sorted(r["task"]["answer"] for r in kept) == [0, 2]
-    assert all("ConnectionError" in r["error"] for r in kept) and not out.exists()
+    assert all("the data service is down" in r["error"] for r in kept) and not out.exists()
 
 
 def test_a_finished_eval_writes_every_record_in_task_order_and_drops_the_partial_file(tmp_path, tiny_model_dir):
