@@ -5,7 +5,7 @@ decode step, and a multi-turn agent needs a trajectory's keys and values to outl
 easy when every sequence owns a slot: its keys and values sit in columns 0..n-1 of its own row of
 each layer's `[2, slots, kv_heads, capacity, head_dim]` buffer, so the key of position p is always at
 column p. (One tensor per layer, not one for all of them: growing the buffers reallocates a layer at a
-time, so the old and the new buffers are never both whole in memory, which doubled an eval's peak.)
+time, so the old and the new buffers are never both whole in memory.)
 A decode step writes each row's new token at that row's own column (not at a shared "end" as in a
 left-padded batch), and its attention reads only its own columns (`slot_attention`). Nothing is ever
 left-padded, so rows of any length decode together and a row can be dropped or added by moving one
