@@ -222,10 +222,10 @@ class SlotCache(Cache):
         """Exchange slots `a` and `b`, which hold `n_a` and `n_b` columns."""
         if a == b:
             return
-        held = [layer[:, a, :, :n_a].clone() for layer in self.buf]
-        self.move(b, a, n_b)
-        for layer, h in zip(self.buf, held, strict=True):
-            layer[:, b, :, :n_a] = h
+        for layer in self.buf:  # one layer's slot held aside at a time
+            held = layer[:, a, :, :n_a].clone()
+            layer[:, a, :, :n_b] = layer[:, b, :, :n_b]
+            layer[:, b, :, :n_a] = held
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.width
