@@ -24,7 +24,7 @@ from agent_r1.env.base import Env
 from agent_r1.env.tool_formats import ToolFormatName
 from agent_r1.models.loading import load_model, load_processor
 from agent_r1.models.precision import Device, Precision
-from agent_r1.observe.records import trajectory_records, write_records
+from agent_r1.observe.records import trajectory_from_record, trajectory_records, write_records
 from agent_r1.rollout.agent_loop import AgentEnvLoop, correct, summarize
 from agent_r1.rollout.engine import Engine, SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
@@ -74,12 +74,17 @@ class EvalConfig:
     out: str | None = None
     """write trajectory records here (.jsonl, or .jsonl.gz; `agent-r1 view OUT` browses them); while eval
     runs, each finished episode's is kept in OUT's name with .partial.jsonl, which the full file replaces"""
+    resume: bool = False
+    """finish an eval that was killed: the tasks whose episodes OUT's .partial.jsonl holds are not run
+    again and count in the results; run it with the same settings"""
 
     def __post_init__(self) -> None:
         if self.num_tasks < 1 or self.group_size < 1:
             raise ValueError("num_tasks and group_size must be >= 1")
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if self.resume and not self.out:
+            raise ValueError("resume=true needs out=, the file whose .partial.jsonl an earlier eval left")
         _ = self.sampling  # validates temperature, top_p and max_new_tokens before any model loads
 
     @property
@@ -92,6 +97,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str,
     tasks = cfg.task.tasks(cfg.split, cfg.num_tasks, cfg.seed)  # a bad data file fails before the model loads
     if not tasks:
         raise ValueError(f"task {cfg.task.name!r} has no {cfg.split} tasks")
+    kept = partial_path(cfg.out) if cfg.out else None
+    finished = finished_episodes(kept, tasks, cfg.group_size, cfg.resume) if kept else {}
     model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     processor = load_processor(cfg.model) or tokenizer  # a vision-language model reads images through it
     make_env = cfg.task.env_factory(
@@ -104,12 +111,11 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str,
     engine = LocalEngine(
         model, tokenizer, max_batch_size=cfg.max_batch_size, seed=cfg.seed, kv_cache_gb=cfg.kv_cache_gb
     )
-    kept = partial_path(cfg.out) if cfg.out else None
-    if kept is not None:
-        kept.parent.mkdir(parents=True, exist_ok=True)
-    records: dict[str, dict[str, Any]] = {}  # traj_id -> its record, made once as the episode ends
-    with progress_bar(console) as bar, open(kept, "w", encoding="utf-8") if kept else contextlib.nullcontext() as f:
-        episodes = bar.add_task(f"eval {cfg.task.name}", total=len(tasks) * cfg.group_size)
+    records = {r["traj_id"]: r for group in finished.values() for r in group}  # traj_id -> its record
+    if kept is not None:  # the partial file starts with the finished groups alone
+        write_records(kept, list(records.values()))
+    with progress_bar(console) as bar, open(kept, "a", encoding="utf-8") if kept else contextlib.nullcontext() as f:
+        episodes = bar.add_task(f"eval {cfg.task.name}", total=len(tasks) * cfg.group_size, completed=len(records))
 
         def done(traj: Trajectory) -> None:
             bar.advance(episodes)
@@ -118,8 +124,9 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str,
                 f.write(json.dumps(records[traj.traj_id], default=str) + "\n")
                 f.flush()
 
+        done_trajs = {i: [trajectory_from_record(r) for r in group] for i, group in finished.items()}
         metrics, trajs = evaluate(
-            engine, make_env, tasks, cfg.sampling, cfg.group_size, cfg.seed, cfg.task.kind_key, on_done=done
+            engine, make_env, tasks, cfg.sampling, cfg.group_size, cfg.seed, cfg.task.kind_key, done, done_trajs
         )
     if cfg.out:  # the viewer reads these: agent-r1 view OUT
         write_records(cfg.out, [records[t.traj_id] for t in trajs])
@@ -141,17 +148,60 @@ def partial_path(out: str | Path) -> Path:
     return out.with_name(re.sub(r"\.jsonl(\.gz)?$", "", out.name) + ".partial.jsonl")
 
 
+def finished_episodes(
+    kept: Path, tasks: list[dict[str, Any]], group_size: int, resume: bool
+) -> dict[int, list[dict[str, Any]]]:
+    """{task position: its `group_size` records} that a killed eval left in `kept`, matched to the tasks by
+    content (a group cut short is run again whole). Without `resume` an existing file is refused rather
+    than overwritten: it may hold an hour of episodes."""
+    if not kept.is_file():
+        return {}
+    lines, records = kept.read_text(encoding="utf-8").splitlines(), []
+    for n, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if n < len(lines):  # only the last line can be cut short by a kill (its episode is run again)
+                raise ValueError(f"{kept}:{n}: not a JSON record; delete the file to start over") from None
+    if not resume:
+        raise ValueError(
+            f"{kept} holds {len(records)} finished episodes of an earlier eval: resume=true finishes that eval "
+            "(same settings), or delete the file to start over"
+        )
+    by_task: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        by_task.setdefault(_task_key(record["task"]), []).append(record)
+    finished = {}
+    for i, task in enumerate(tasks):
+        group = by_task.get(_task_key(task), [])
+        if len(group) >= group_size:
+            finished[i], by_task[_task_key(task)] = group[:group_size], group[group_size:]
+    return finished
+
+
+def _task_key(task: dict[str, Any]) -> str:
+    """A task as it reads back from a record (JSON, keys sorted)."""
+    return json.dumps(task, sort_keys=True, default=str)
+
+
 def evaluate(
     engine: Engine, make_env: Callable[[], Env], tasks: list[dict[str, Any]], sampling: SamplingParams,
     group_size: int = 1, seed: int = 0, kind_key: str | None = None,
-    on_done: Callable[[Trajectory], None] | None = None,
+    on_done: Callable[[Trajectory], None] | None = None, finished: dict[int, list[Trajectory]] | None = None,
 ) -> tuple[dict[str, float], list[Trajectory]]:  # fmt: skip
     """Roll every task out `group_size` times; summary metrics plus `accuracy`, `episodes`, `errors`
-    (the share that ended in an exception) and `seconds`. `on_done(traj)` is called as each episode ends.
+    (the share that ended in an exception) and `seconds` (of this call). `on_done(traj)` is called as each
+    episode ends. `finished[i]` are task i's episodes from an earlier run: they are not run again (the rest
+    are seeded as in one whole run), and they count in the metrics.
 
     Accuracy is the share of episodes that solved their task (`agent_loop.correct`)."""
     start = time.perf_counter()
-    trajs = AgentEnvLoop(engine, make_env, sampling, seed=seed).run_sync(tasks, group_size, on_done=on_done)
+    finished = finished or {}
+    todo = [i for i in range(len(tasks)) if i not in finished]
+    loop = AgentEnvLoop(engine, make_env, sampling, seed=seed)
+    new = loop.run_sync([tasks[i] for i in todo], group_size, on_done=on_done, positions=todo) if todo else []
+    ran = dict(zip(todo, (new[k : k + group_size] for k in range(0, len(new), group_size)), strict=True))
+    trajs = [t for i in range(len(tasks)) for t in (finished[i] if i in finished else ran[i])]
     metrics = summarize(trajs)
     metrics["seconds"] = time.perf_counter() - start
     metrics["accuracy"] = sum(map(correct, trajs)) / len(trajs)

@@ -137,9 +137,10 @@ def test_a_context_budget_too_small_for_the_task_stops_eval_in_one_line(tiny_mod
     assert err == [next(line for line in err if "task.context.budget=64 leaves no room" in line)]
 
 
-def test_a_killed_eval_keeps_the_episodes_it_finished(tmp_path, tiny_model_dir):
+def test_a_killed_eval_keeps_the_episodes_it_finished_and_resumes(tmp_path, tiny_model_dir, capsys):
     """Records used to be written only at the end, so a τ² eval killed after an hour kept nothing. Each
-    finished episode's record now goes to OUT.partial.jsonl as it ends; a SIGKILL leaves those, whole."""
+    finished episode's record now goes to OUT.partial.jsonl as it ends; a SIGKILL leaves those, whole, and
+    `resume=true` runs only the rest."""
     import os
     import signal
     import subprocess
@@ -166,6 +167,26 @@ def test_a_killed_eval_keeps_the_episodes_it_finished(tmp_path, tiny_model_dir):
     kept = list(read_records(partial))
     assert sorted(r["task"]["answer"] for r in kept) == [0, 2]
     assert all("the data service is down" in r["error"] for r in kept) and not out.exists()
+
+    # Run again: refused while the partial file holds work; with resume=true only tasks 1 and 3 run.
+    from agent_r1.cli import main
+
+    with open(partial, "a") as f:
+        f.write('{"traj_id": "cut-by-the-kill", "ta')  # a record the kill cut short is run again
+    again = [a for a in args[3:] if a != "task.stall=[1,3]"]  # eval model=... task=... num_tasks=4 out=...
+    sys.path.insert(0, str(tmp_path))
+    try:
+        before = partial.read_text()
+        assert main(again) == 2 and partial.read_text() == before  # nothing of the earlier eval is lost
+        assert "holds 2 finished episodes of an earlier eval: resume=true" in capsys.readouterr().err
+        assert main([*again, "resume=true"]) == 0
+    finally:
+        sys.path.remove(str(tmp_path))
+    records = list(read_records(out))
+    assert [r["task"]["answer"] for r in records] == [0, 1, 2, 3] and not partial.exists()
+    by_answer = {r["task"]["answer"]: r["traj_id"] for r in records}
+    assert {by_answer[0], by_answer[2]} == {r["traj_id"] for r in kept}  # the finished ones were not run again
+    assert re.search(r"episodes\s*│\s*4\b", " ".join(capsys.readouterr().out.split()))
 
 
 def test_a_finished_eval_writes_every_record_in_task_order_and_drops_the_partial_file(tmp_path, tiny_model_dir):

@@ -21,7 +21,7 @@ import torch
 
 from agent_r1.models.vision import png_data_url
 from agent_r1.rollout.merge import extends, merge_trajectory
-from agent_r1.types import TrainSequence, Trajectory
+from agent_r1.types import Step, Termination, TrainSequence, Trajectory
 
 TRAJECTORY_DIR = "trajectories"
 _STEP_FILE = re.compile(r"step_(\d+)\.jsonl\.gz$")
@@ -96,6 +96,7 @@ def _turns(traj: Trajectory, rows: list[dict[str, Any]], tokenizer: Any) -> list
                 "finish_reason": s.finish_reason,
                 "response_tokens": len(s.response_ids),
                 "reward": s.reward,
+                "done": s.done,
                 "advantage": step_adv.get(s.index),
                 "tool_results": s.info.get("tool_results", []),
                 "info": json.loads(json.dumps(info, default=str)),
@@ -103,6 +104,46 @@ def _turns(traj: Trajectory, rows: list[dict[str, Any]], tokenizer: Any) -> list
         )
         context, shown = s.prompt_ids + s.response_ids, len(s.images)
     return turns
+
+
+def trajectory_from_record(record: dict[str, Any]) -> Trajectory:
+    """The trajectory a record was made from, as its metrics and training rows need it: each step's exact
+    prompt and response ids and log-probs (to the record's 6 decimals) come from its row, where step k's
+    prompt is the row up to k's first sampled token; reward, text, info and `done` from its turn. Images
+    and states are not kept in records. A resumed eval (`agent-r1 eval resume=true`) counts the episodes a
+    killed run finished through this."""
+    termination = record["termination"]
+    traj = Trajectory(
+        task=record["task"],
+        traj_id=record["traj_id"],
+        group_id=record["group_id"],
+        termination=None if termination is None else Termination(termination),
+        metrics=record["metrics"],
+        error=record["error"],
+    )
+    where: dict[int, tuple[dict[str, Any], list[int]]] = {}  # step index -> (its row, its token positions)
+    for row in record["rows"]:
+        for pos, k in enumerate(row["step_index"]):
+            if k >= 0:
+                where.setdefault(k, (row, []))[1].append(pos)
+    for n, turn in enumerate(record["turns"]):
+        row, positions = where.get(turn["index"], ({"ids": [], "logprobs": []}, []))  # no token sampled: no ids
+        info = turn["info"] | ({"tool_results": turn["tool_results"]} if turn["tool_results"] else {})
+        last_done = n == len(record["turns"]) - 1 and termination == Termination.ANSWERED  # records before "done"
+        traj.steps.append(
+            Step(
+                prompt_ids=row["ids"][: positions[0]] if positions else [],
+                response_ids=[row["ids"][i] for i in positions],
+                response_logprobs=[row["logprobs"][i] for i in positions],
+                reward=turn["reward"],
+                info=info,
+                text=turn["response"],
+                index=turn["index"],
+                finish_reason=turn["finish_reason"],
+                done=turn.get("done", last_done),
+            )
+        )
+    return traj
 
 
 def _step_advantages(rows: list[dict[str, Any]]) -> dict[int, float]:

@@ -15,7 +15,7 @@ import hashlib
 import uuid
 from array import array
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from agent_r1.env.base import Env
@@ -51,20 +51,25 @@ class AgentEnvLoop:
         first_index: int = 0,
         cohort: bool = True,
         on_done: Callable[[Trajectory], None] | None = None,
+        positions: Sequence[int] | None = None,
     ) -> list[Trajectory]:
-        """Trajectories of every task × `group_size` samples, grouped task by task. Trajectory i is
-        seeded as the loop's `first_index + i`-th: a worker given a share of a batch samples its
-        trajectories exactly as one loop over the whole batch would. `cohort=False` lets other callers'
-        requests share the engine's batches as they come (an asynchronous producer's groups).
+        """Trajectories of every task × `group_size` samples, grouped task by task. Sample g of the task at
+        position p (`positions[j]` for task j, else j) is seeded as the loop's `first_index + p * group_size
+        + g`-th: a worker given a share of a batch, or a resumed eval given the tasks a killed one left,
+        samples its trajectories exactly as one loop over the whole batch would. `cohort=False` lets other
+        callers' requests share the engine's batches as they come (an asynchronous producer's groups).
         `on_done(traj)` is called as each episode ends, in the order they end (eval's progress and the
         records it keeps as it goes)."""
-        trajs = []
-        for task in tasks:
-            group = uuid.uuid4().hex[:12]
+        if positions is not None and len(positions) != len(tasks):
+            raise ValueError(f"positions: {len(positions)} for {len(tasks)} tasks")
+        trajs, indices = [], []
+        for j, task in enumerate(tasks):
+            group, p = uuid.uuid4().hex[:12], j if positions is None else positions[j]
             trajs += [Trajectory(task=task, traj_id=f"{group}-{g}", group_id=group) for g in range(group_size)]
+            indices += [first_index + p * group_size + g for g in range(group_size)]
         make_cohort = getattr(self.engine, "cohort", None) if cohort else None  # LocalEngine: timing-free batches
         with make_cohort(len(trajs)) if make_cohort else contextlib.nullcontext() as members:
-            await asyncio.gather(*(self._episode(t, first_index + i, members, on_done) for i, t in enumerate(trajs)))
+            await asyncio.gather(*(self._episode(t, i, members, on_done) for t, i in zip(trajs, indices, strict=True)))
         return trajs
 
     def run_sync(
@@ -73,8 +78,9 @@ class AgentEnvLoop:
         group_size: int = 1,
         first_index: int = 0,
         on_done: Callable[[Trajectory], None] | None = None,
+        positions: Sequence[int] | None = None,
     ) -> list[Trajectory]:
-        return asyncio.run(self.run(tasks, group_size, first_index, on_done=on_done))
+        return asyncio.run(self.run(tasks, group_size, first_index, on_done=on_done, positions=positions))
 
     async def _episode(
         self, traj: Trajectory, index: int, cohort: Any = None, on_done: Callable[[Trajectory], None] | None = None

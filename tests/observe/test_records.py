@@ -1,13 +1,22 @@
 """Trajectory records: turns as a person reads them, rows exactly as the trainer saw them."""
 
 import gzip
+import json
 
 import pytest
 import torch
 from PIL import Image as PILImage
 
 from agent_r1.models.vision import read_image
-from agent_r1.observe.records import read_records, step_files, step_path, trajectory_records, write_records
+from agent_r1.observe.records import (
+    read_records,
+    step_files,
+    step_path,
+    trajectory_from_record,
+    trajectory_records,
+    write_records,
+)
+from agent_r1.rollout.agent_loop import correct, summarize
 from agent_r1.types import Image, Step, Termination, Trajectory
 from tests.conftest import picture
 
@@ -71,6 +80,26 @@ def test_rewritten_context_starts_a_new_row(tokenizer):
     (rec,) = trajectory_records([two_turn_trajectory(tokenizer, rewrite=True)], tokenizer)
     assert len(rec["rows"]) == 2 and rec["rows"][0]["advantages"] is None
     assert rec["turns"][1]["rewritten"] and rec["turns"][1]["observation"].startswith("Summary")
+
+
+@pytest.mark.parametrize("rewrite", [False, True])
+def test_a_record_gives_back_its_trajectory_steps_and_metrics(tokenizer, rewrite):
+    """A resumed eval counts a killed run's episodes from their records: each step's ids, log-probs,
+    reward, text and info must come back as they were, whether the steps shared a row or not."""
+    traj = two_turn_trajectory(tokenizer, rewrite=rewrite)
+    traj.metrics = {"reward/correct": 1.0, "tool_calls": 1.0}
+    traj.steps[1].done = True
+    (rec,) = json.loads(json.dumps(trajectory_records([traj], tokenizer)))  # as read back from a file
+    back = trajectory_from_record(rec)
+    for key in ("task", "traj_id", "group_id", "termination", "metrics", "error"):
+        assert getattr(back, key) == getattr(traj, key)
+    fields = ("prompt_ids", "response_ids", "response_logprobs", "reward", "info", "text", "index", "finish_reason")
+    for a, b in zip(back.steps, traj.steps, strict=True):
+        assert {f: getattr(a, f) for f in fields} == {f: getattr(b, f) for f in fields}
+    assert [s.done for s in back.steps] == [False, True] and back.outcome == 1.0 and correct(back) == 1.0
+    assert summarize([back]) == summarize([traj])
+    del rec["turns"][1]["done"]  # a record written before turns kept `done`: an answered episode's last step
+    assert trajectory_from_record(rec).outcome == 1.0
 
 
 def test_write_read_roundtrip_and_step_files(tmp_path, tokenizer):

@@ -1,5 +1,6 @@
 """The agent loop end to end with the tiny model, and the log-prob consistency guard rail."""
 
+import pytest
 import torch
 
 from agent_r1.env.base import StepResult
@@ -83,6 +84,20 @@ def test_same_seed_same_rollout(engine, tokenizer):
     a = run(engine, tokenizer, group=1)
     b = run(engine, tokenizer, group=1)
     assert [s.response_ids for t in a for s in t.steps] == [s.response_ids for t in b for s in t.steps]
+
+
+def test_positions_sample_a_share_of_the_tasks_as_the_whole_run_does(engine, tokenizer):
+    """A resumed eval runs only the tasks a killed one left (`positions`): their samples must be seeded as in
+    the uninterrupted run, or a resumed eval at temperature > 0 would measure other samples."""
+    whole = run(engine, tokenizer)
+    sampling = SamplingParams(max_new_tokens=12, temperature=1.0)
+    loop = AgentEnvLoop(engine, lambda: ChattyEnv(tokenizer), sampling, seed=1)
+    share, other = loop.run_sync([TASKS[2], TASKS[0]], group_size=2, positions=[2, 0]), loop.run_sync(TASKS[2:], 2)
+    responses = lambda trajs: [[s.response_ids for s in t.steps] for t in trajs]  # noqa: E731
+    assert responses(share) == responses(whole[4:] + whole[:2])
+    assert responses(other) != responses(whole[4:])  # without positions it is sampled as task 0
+    with pytest.raises(ValueError, match="positions: 1 for 2 tasks"):
+        loop.run_sync(TASKS[:2], positions=[0])
 
 
 def test_rewards_and_metrics(engine, tokenizer):
