@@ -63,10 +63,12 @@ import functools
 import random
 import threading
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
+import psutil
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -92,6 +94,24 @@ COHORT_WAIT_S = 120.0  # longest a decode step waits for a cohort member between
 # what one more SDPA call costs, in row-columns of keys read (measured on 2 cores: ~23 us a call against
 # ~0.12 us per row-column and layer): decoding rows of unlike lengths split where the saved reads pay for it
 SEGMENT_COST = 128
+KV_MEMORY_SHARE = 0.5  # of the memory free at start-up the KV cache may take (the rest: activations, optimizer)
+
+
+def kv_budget(kv_cache_gb: float, device: torch.device) -> int:
+    """Bytes the KV cache may take: `kv_cache_gb`, but at most `KV_MEMORY_SHARE` of the memory free on the
+    device now. The cache grows lazily, so a budget the machine cannot hold (the default 4 GB on a laptop
+    with 3 GB free) would be found out only by the OS killing the process, an hour into an eval; capped,
+    the engine evicts parked contexts sooner instead. Said once, in one line."""
+    want = int(kv_cache_gb * 2**30)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+    most = int(KV_MEMORY_SHARE * free)
+    if want > most:
+        warnings.warn(
+            f"kv_cache_gb={kv_cache_gb:g} is more than half the {device.type} memory free now "
+            f"({free / 2**30:.1f} GiB): the engine keeps at most {most / 2**30:.1f} GiB of keys and values",
+            stacklevel=3,
+        )
+    return min(want, most)
 
 
 @dataclass(eq=False)
@@ -194,7 +214,7 @@ class LocalEngine:
         self._rope_index = rope_index(model)  # Qwen2-VL's get_rope_index: positions are not columns
         self.batch_wait_s = batch_wait_s  # an idle engine waits this long for concurrent callers to arrive
         self.min_shared_prefix = min_shared_prefix  # shorter common prefixes are not worth a separate pass
-        self.kv_cache_bytes = int(kv_cache_gb * 2**30)  # slots (running and parked) never take more
+        self.kv_cache_bytes = kv_budget(kv_cache_gb, model_device(model))  # slots (running and parked) never take more
         self.max_prefill_tokens = max_prefill_tokens  # prompt tokens one forward pass computes beside its decode rows
         self.eos_ids = _eos_ids(model, tokenizer)
         self._seeds = random.Random(seed)

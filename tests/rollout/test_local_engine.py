@@ -2,6 +2,7 @@ import asyncio
 import copy
 import dataclasses
 import time
+import warnings
 
 import pytest
 import torch
@@ -325,6 +326,27 @@ def test_greedy_turns_equal_a_fresh_engine_under_a_tiny_memory_budget(tiny_model
         assert small._cache.nbytes <= small.kv_cache_bytes
         prompts = [p + o.token_ids + tail for p, o in zip(prompts, outs, strict=True)]
     assert small.stats["reused"] > 0 and len(small._parked) < 6  # some kept, some evicted
+
+
+def test_a_kv_budget_the_machine_cannot_hold_is_capped_in_one_line(tiny_model, tokenizer, monkeypatch):
+    """The cache grows lazily, so kv_cache_gb=4 on a laptop with 3 GB free used to surface as the OS killing
+    the process mid-eval. The engine now takes at most half the memory free when it starts, and says so."""
+    prompt = tokenizer.encode(SYSTEM + "Hi")
+    expected = greedy_alone(tiny_model, tokenizer, prompt, 4).token_ids
+    free = 3 * 2**30
+    monkeypatch.setattr(local_engine.psutil, "virtual_memory", lambda: type("vm", (), {"available": free})())
+    with pytest.warns(UserWarning, match=r"^kv_cache_gb=4 is more than half the cpu memory free now \(3.0 GiB\): "
+                      r"the engine keeps at most 1.5 GiB of keys and values$"):  # fmt: skip
+        capped = LocalEngine(tiny_model, tokenizer, kv_cache_gb=4)
+    assert capped.kv_cache_bytes == free // 2
+    assert gen(capped, [prompt], max_new_tokens=4, temperature=0.0)[0].token_ids == expected
+    free = 10 * 2**30
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a budget that fits is taken as given, silently
+        assert LocalEngine(tiny_model, tokenizer, kv_cache_gb=4).kv_cache_bytes == 4 * 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (6 * 2**30, 80 * 2**30))  # (free, total)
+    with pytest.warns(UserWarning, match=r"half the cuda memory free now \(6.0 GiB\)"):
+        assert local_engine.kv_budget(4, torch.device("cuda", 0)) == 3 * 2**30  # on a GPU, its free memory
 
 
 async def test_rows_with_different_sampling_params_share_a_batch(engine, tokenizer, forwards):
