@@ -159,10 +159,14 @@ def finished_episodes(
     lines, records = kept.read_text(encoding="utf-8").splitlines(), []
     for n, line in enumerate(lines, 1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
-            if n < len(lines):  # only the last line can be cut short by a kill (its episode is run again)
-                raise ValueError(f"{kept}:{n}: not a JSON record; delete the file to start over") from None
+            if n == len(lines):  # only the last line can be cut short by a kill (its episode is run again)
+                break
+            record = None
+        if not isinstance(record, dict) or not {"task", "traj_id", "rows", "turns"} <= record.keys():
+            raise ValueError(f"{kept}:{n}: not an eval record; delete the file to start over")
+        records.append(record)
     if not resume:
         raise ValueError(
             f"{kept} holds {len(records)} finished episodes of an earlier eval: resume=true finishes that eval "

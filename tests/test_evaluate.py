@@ -200,3 +200,26 @@ def test_a_finished_eval_writes_every_record_in_task_order_and_drops_the_partial
     _, trajs = run_eval(cfg)
     assert [r["task"] for r in read_records(out)] == [t.task for t in trajs] and len(trajs) == 3
     assert not (tmp_path / "eval.partial.jsonl").exists()
+
+
+def test_a_resumed_eval_takes_whole_groups_by_task_and_names_a_broken_line(tmp_path):
+    import json
+
+    from agent_r1.evaluate import finished_episodes
+
+    tasks = [{"q": "a", "n": 1.5}, {"q": "b", "n": (1, 2)}, {"q": "c"}]
+    rec = lambda task, k: {"task": task, "traj_id": f"t{k}", "rows": [], "turns": []}  # noqa: E731
+    kept = tmp_path / "run.partial.jsonl"
+    # task b's group of 2 is whole (its tuple reads back as a list), a's was cut short by the kill, c never ran
+    lines = [rec({"q": "b", "n": [1, 2]}, 1), rec(tasks[0], 2), rec({"n": [1, 2], "q": "b"}, 3)]
+    kept.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"task": {"q": "a"')
+    assert {i: [r["traj_id"] for r in g] for i, g in finished_episodes(kept, tasks, 2, True).items()} == {
+        1: ["t1", "t3"]
+    }
+    assert list(finished_episodes(kept, tasks, 1, True)) == [0, 1]  # one sample a task: a is done, b's first
+    with pytest.raises(ValueError, match=r"holds 3 finished episodes of an earlier eval: resume=true"):
+        finished_episodes(kept, tasks, 2, False)
+    kept.write_text(json.dumps(lines[0]) + "\n[1, 2]\n" + json.dumps(lines[1]) + "\n")
+    with pytest.raises(ValueError, match=r"run.partial.jsonl:2: not an eval record; delete the file"):
+        finished_episodes(kept, tasks, 2, True)
+    assert finished_episodes(tmp_path / "none.partial.jsonl", tasks, 2, False) == {}
