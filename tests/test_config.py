@@ -84,6 +84,7 @@ def test_describe_lists_fields_with_docs():
         ("demo.yaml", "pipeline"),
         ("hotpotqa.yaml", "pipeline"),
         ("dossiers.yaml", "pipeline"),
+        ("dossiers_cpu.yaml", "pipeline"),
         ("vision.yaml", "pipeline"),
         ("calculator.yaml", "eval"),
         ("gsm8k-gpu.yaml", "train"),

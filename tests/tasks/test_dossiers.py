@@ -53,10 +53,17 @@ async def test_read_serves_the_episodes_own_documents_and_a_bad_number_is_an_err
     assert info["tool_errors"] == {"bad_document": 1}
 
 
-def final_prompt(tokenizer, strategy, task):
-    """The prompt the demonstration answers from, under `strategy` at a budget of 1,024 tokens."""
-    context = {"strategy": strategy, "budget": 1024}
-    spec = TaskSpec.from_raw({"name": "dossiers", "context": context}, "task", TaskSpec())
+SIZES = {  # task options and budget: the default task at 1,024 tokens; recipes/dossiers_cpu.yaml's size
+    "default": ({}, 1024),
+    "cpu recipe": ({"documents": 8, "records": 2}, 560),
+}
+
+
+def final_prompt(tokenizer, strategy, task, size="default"):
+    """The prompt the demonstration answers from, under `strategy` at the size's budget."""
+    options, budget = SIZES[size]
+    context = {"strategy": strategy, "budget": budget, "summary_tokens": 128}
+    spec = TaskSpec.from_raw({"name": "dossiers", **options, "context": context}, "task", TaskSpec())
     env = spec.env_factory(tokenizer, True, 64)()
     demo = dossiers.demo(task, memory=strategy == "memory")
     steps = replay_demo(demo, task, env, dossiers.summary)
@@ -82,19 +89,23 @@ def test_an_unmanaged_replay_is_the_one_row_sft_always_made(tokenizer):
     assert replayed.input_ids == row.input_ids and replayed.loss_mask == row.loss_mask
 
 
+@pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("strategy", ["truncate", "elide"])
-def test_a_fixed_strategy_answers_without_the_first_value_in_view(tokenizer, strategy):
-    for task in dossiers.tasks(OPTIONS, "test", 8):
-        steps, prompt = final_prompt(tokenizer, strategy, task)
-        assert all(len(s.prompt_ids) <= 1024 for s in steps)
+def test_a_fixed_strategy_answers_without_the_first_value_in_view(tokenizer, strategy, size):
+    options, budget = SIZES[size]
+    for task in dossiers.tasks(dossiers.Options(**options), "test", 8):
+        steps, prompt = final_prompt(tokenizer, strategy, task, size)
+        assert all(len(s.prompt_ids) <= budget for s in steps)
         assert f"{task['people'][0]} lives" not in prompt and task["values"][1] in prompt
 
 
+@pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("strategy", ["summarize", "memory"])
-def test_a_learned_strategy_carries_the_first_value_to_the_answer(tokenizer, strategy):
-    for task in dossiers.tasks(OPTIONS, "test", 8):
-        steps, prompt = final_prompt(tokenizer, strategy, task)
-        assert all(len(s.prompt_ids) <= 1024 for s in steps)
+def test_a_learned_strategy_carries_the_first_value_to_the_answer(tokenizer, strategy, size):
+    options, budget = SIZES[size]
+    for task in dossiers.tasks(dossiers.Options(**options), "test", 8):
+        steps, prompt = final_prompt(tokenizer, strategy, task, size)
+        assert all(len(s.prompt_ids) <= budget for s in steps)
         first = f"{task['people'][0]}'s {task['attribute']} is {task['values'][0]}"
         assert first in prompt and f"{task['people'][0]} lives" not in prompt
 
