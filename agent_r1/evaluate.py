@@ -68,7 +68,8 @@ class EvalConfig:
     """rows decoded together by the engine"""
     kv_cache_gb: float = 4.0
     """memory for keys and values, running rows and those kept between turns: too little for every
-    episode's context makes the engine prefill evicted contexts again (long multi-turn evals)"""
+    episode's context makes the engine prefill evicted contexts again (long multi-turn evals); at most
+    half the memory free at start-up"""
     seed: int = 0
     """sampling seed"""
     out: str | None = None
@@ -83,8 +84,6 @@ class EvalConfig:
             raise ValueError("num_tasks and group_size must be >= 1")
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
-        if self.resume and not self.out:
-            raise ValueError("resume=true needs out=, the file whose .partial.jsonl an earlier eval left")
         _ = self.sampling  # validates temperature, top_p and max_new_tokens before any model loads
 
     @property
@@ -97,8 +96,12 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str,
     tasks = cfg.task.tasks(cfg.split, cfg.num_tasks, cfg.seed)  # a bad data file fails before the model loads
     if not tasks:
         raise ValueError(f"task {cfg.task.name!r} has no {cfg.split} tasks")
+    if cfg.resume and not cfg.out:
+        raise ValueError("resume=true needs out=, the file whose .partial.jsonl an earlier eval left")
     kept = partial_path(cfg.out) if cfg.out else None
     finished = finished_episodes(kept, tasks, cfg.group_size, cfg.resume) if kept else {}
+    if finished:
+        console.print(f"resumed: {len(finished)} of {len(tasks)} tasks finished in {kept}, the rest run now")
     model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     processor = load_processor(cfg.model) or tokenizer  # a vision-language model reads images through it
     make_env = cfg.task.env_factory(
@@ -151,36 +154,58 @@ def partial_path(out: str | Path) -> Path:
 def finished_episodes(
     kept: Path, tasks: list[dict[str, Any]], group_size: int, resume: bool
 ) -> dict[int, list[dict[str, Any]]]:
-    """{task position: its `group_size` records} that a killed eval left in `kept`, matched to the tasks by
-    content (a group cut short is run again whole). Without `resume` an existing file is refused rather
-    than overwritten: it may hold an hour of episodes."""
+    """{task position: its `group_size` records, in sample order} that a killed eval left in `kept`.
+
+    Records are grouped by `group_id` (one task's samples); a group cut short by the kill is run again
+    whole, and whole groups are matched to the tasks by content. Without `resume` a non-empty file is
+    refused rather than overwritten: it may hold an hour of episodes. A whole group that matches no task
+    means the settings changed (another split, seed or task config): refused too, since rewriting the
+    file would drop it."""
     if not kept.is_file():
         return {}
     lines, records = kept.read_text(encoding="utf-8").splitlines(), []
     for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             if n == len(lines):  # only the last line can be cut short by a kill (its episode is run again)
                 break
             record = None
-        if not isinstance(record, dict) or not {"task", "traj_id", "rows", "turns"} <= record.keys():
+        if not isinstance(record, dict) or not {"task", "traj_id", "group_id", "rows", "turns"} <= record.keys():
             raise ValueError(f"{kept}:{n}: not an eval record; delete the file to start over")
         records.append(record)
+    if not records:
+        return {}
     if not resume:
         raise ValueError(
             f"{kept} holds {len(records)} finished episodes of an earlier eval: resume=true finishes that eval "
             "(same settings), or delete the file to start over"
         )
-    by_task: dict[str, list[dict[str, Any]]] = {}
+    groups: dict[str, list[dict[str, Any]]] = {}
     for record in records:
-        by_task.setdefault(_task_key(record["task"]), []).append(record)
+        groups.setdefault(record["group_id"], []).append(record)
+    whole = [sorted(g, key=_sample_index) for g in groups.values() if len(g) == group_size]
+    by_task: dict[str, list[list[dict[str, Any]]]] = {}
+    for group in whole:
+        by_task.setdefault(_task_key(group[0]["task"]), []).append(group)
     finished = {}
     for i, task in enumerate(tasks):
-        group = by_task.get(_task_key(task), [])
-        if len(group) >= group_size:
-            finished[i], by_task[_task_key(task)] = group[:group_size], group[group_size:]
+        if by_task.get(_task_key(task)):
+            finished[i] = by_task[_task_key(task)].pop(0)
+    oversized = sum(len(g) > group_size for g in groups.values())  # made with a larger group_size
+    if unmatched := oversized + sum(map(len, by_task.values())):
+        raise ValueError(
+            f"{kept}: {unmatched} finished groups match no task of this eval; resume with the settings that "
+            "made them (split, num_tasks, seed, group_size, task.*), or delete the file to start over"
+        )
     return finished
+
+
+def _sample_index(record: dict[str, Any]) -> int:
+    """g of a record whose traj_id is `{group_id}-{g}` (the loop's naming), for its group's sample order."""
+    return int(record["traj_id"].rsplit("-", 1)[1])
 
 
 def _task_key(task: dict[str, Any]) -> str:

@@ -8,6 +8,12 @@ env under each strategy, for reads of growing length, and prints per episode: th
 tokens a model without a cache would process (the sum of every step's prompt), and the training tokens
 (the rows `merge_trajectory` makes: what the update computes). No model is needed.
 
+    python benchmarks/context.py size [--documents 8] [--records 2] [--budget 560] [--summary-tokens 128]
+
+checks a task size for the learned-vs-fixed comparison: on the held-out tasks, under each strategy, how
+often the scripted demonstration's final prompt still shows the first person's record or a line carrying
+its value (a fixed strategy should never; a summary or a note always), and its turns and training tokens.
+
     python benchmarks/context.py summary runs/ctx/eval_*.jsonl
 
 prints each eval's accuracy with a bootstrap 95% interval over tasks, and its mean turns, training
@@ -53,6 +59,33 @@ def scaling(budget: int, documents: list[int], records: int) -> None:
             print(f"| {strategy} | {n} | {len(steps)} | {prompts:,} | {trained:,} | {trained / len(steps):,.0f} |")
 
 
+def size(documents: int, records: int, budget: int, summary_tokens: int, num_tasks: int) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("default"))
+    tasks = dossiers.tasks(dossiers.Options(documents=documents, records=records), "test", num_tasks)
+    print(f"{documents} documents of {records} records, budget {budget}, summary_tokens {summary_tokens}; "
+          f"{len(tasks)} held-out tasks, scripted demonstrations:")  # fmt: skip
+    print("| strategy | first value in view at the answer | turns | training tokens a demo | longest prompt |")
+    print("|---|---|---|---|---|")
+    for strategy in STRATEGIES[1:]:
+        context = {"strategy": strategy, "budget": budget, "summary_tokens": summary_tokens}
+        spec = TaskSpec.from_raw({"name": "dossiers", "documents": documents, "records": records,
+                                  "context": context}, "task", TaskSpec())  # fmt: skip
+        seen, turns, trained, longest = 0, [], 0, 0
+        for task in tasks:
+            demo = dossiers.demo(task, memory=strategy == "memory")
+            steps = replay_demo(demo, task, spec.env_factory(tokenizer, True, 4 * documents)(), dossiers.summary)
+            prompt = tokenizer.decode(steps[-1].prompt_ids)
+            first = task["people"][0]
+            seen += f"{first} lives" in prompt or f"{first}'s {task['attribute']} is {task['values'][0]}" in prompt
+            turns.append(len(steps))
+            trained += sum(len(r.input_ids) for r in merge_trajectory(Trajectory(task, "t", "g", steps)))
+            longest = max(longest, *(len(s.prompt_ids) for s in steps))
+        print(f"| {strategy} | {seen} of {len(tasks)} | {min(turns)}–{max(turns)} | {trained / len(tasks):,.0f} "
+              f"| {longest:,} |")  # fmt: skip
+
+
 def summary(paths: list[Path]) -> None:
     print("| eval | episodes | accuracy [95% interval] | turns | training tokens | longest row |")
     print("|---|---|---|---|---|---|")
@@ -74,11 +107,19 @@ def main() -> None:
     s.add_argument("--budget", type=int, default=640)
     s.add_argument("--documents", type=int, nargs="+", default=[6, 12, 24, 48])
     s.add_argument("--records", type=int, default=4)
+    z = sub.add_parser("size")
+    z.add_argument("--documents", type=int, default=8)
+    z.add_argument("--records", type=int, default=2)
+    z.add_argument("--budget", type=int, default=560)
+    z.add_argument("--summary-tokens", type=int, default=128)
+    z.add_argument("--tasks", type=int, default=64)
     e = sub.add_parser("summary")
     e.add_argument("paths", type=Path, nargs="+")
     args = parser.parse_args()
     if args.command == "scaling":
         scaling(args.budget, args.documents, args.records)
+    elif args.command == "size":
+        size(args.documents, args.records, args.budget, args.summary_tokens, args.tasks)
     else:
         summary(args.paths)
 

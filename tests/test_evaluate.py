@@ -207,19 +207,53 @@ def test_a_resumed_eval_takes_whole_groups_by_task_and_names_a_broken_line(tmp_p
 
     from agent_r1.evaluate import finished_episodes
 
-    tasks = [{"q": "a", "n": 1.5}, {"q": "b", "n": (1, 2)}, {"q": "c"}]
-    rec = lambda task, k: {"task": task, "traj_id": f"t{k}", "rows": [], "turns": []}  # noqa: E731
+    tasks = [{"q": "a", "n": 1.5}, {"q": "b", "n": (1, 2)}, {"q": "c"}, {"q": "b", "n": (1, 2)}]  # b twice
+    rec = lambda task, group, g: {"task": task, "traj_id": f"{group}-{g}", "group_id": group, "rows": [], "turns": []}  # noqa: E731
     kept = tmp_path / "run.partial.jsonl"
-    # task b's group of 2 is whole (its tuple reads back as a list), a's was cut short by the kill, c never ran
-    lines = [rec({"q": "b", "n": [1, 2]}, 1), rec(tasks[0], 2), rec({"n": [1, 2], "q": "b"}, 3)]
-    kept.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"task": {"q": "a"')
-    assert {i: [r["traj_id"] for r in g] for i, g in finished_episodes(kept, tasks, 2, True).items()} == {
-        1: ["t1", "t3"]
-    }
-    assert list(finished_episodes(kept, tasks, 1, True)) == [0, 1]  # one sample a task: a is done, b's first
-    with pytest.raises(ValueError, match=r"holds 3 finished episodes of an earlier eval: resume=true"):
+    # b's two groups are whole (its tuple reads back as a list; samples end out of order), a's was cut short
+    # by the kill, c never ran
+    b = {"n": [1, 2], "q": "b"}
+    lines = [rec(b, "x", 1), rec(tasks[0], "y", 0), rec(b, "x", 0), rec(b, "z", 0), rec(b, "z", 1)]
+    kept.write_text("".join(json.dumps(r) + "\n" for r in lines) + "\n" + '{"task": {"q": "a"')
+    finished = finished_episodes(kept, tasks, 2, True)
+    assert {i: [r["traj_id"] for r in g] for i, g in finished.items()} == {1: ["x-0", "x-1"], 3: ["z-0", "z-1"]}
+    with pytest.raises(ValueError, match=r"holds 5 finished episodes of an earlier eval: resume=true"):
         finished_episodes(kept, tasks, 2, False)
+    # other settings: a group of 2 where groups hold 1, a task this eval does not have
+    with pytest.raises(ValueError, match=r"run.partial.jsonl: 2 finished groups match no task of this eval"):
+        finished_episodes(kept, tasks, 1, True)
+    with pytest.raises(ValueError, match=r"run.partial.jsonl: 1 finished groups match no task of this eval"):
+        finished_episodes(kept, tasks[:3], 2, True)
     kept.write_text(json.dumps(lines[0]) + "\n[1, 2]\n" + json.dumps(lines[1]) + "\n")
     with pytest.raises(ValueError, match=r"run.partial.jsonl:2: not an eval record; delete the file"):
         finished_episodes(kept, tasks, 2, True)
+    kept.write_text("")  # killed before any episode ended: nothing to keep, nothing to refuse
+    assert finished_episodes(kept, tasks, 2, False) == {}
     assert finished_episodes(tmp_path / "none.partial.jsonl", tasks, 2, False) == {}
+
+
+def test_a_resumed_sampled_eval_is_the_whole_run(tmp_path, tiny_model_dir):
+    """At temperature 1 with groups of 2, an eval resumed from a partial file holding task 1's group
+    samples tasks 0 and 2 exactly as the whole run did (seeded by position), and its metrics count the
+    kept group."""
+    import json
+
+    from agent_r1.config import load_config
+    from agent_r1.evaluate import EvalConfig, partial_path, run_eval
+    from agent_r1.observe.records import read_records
+
+    def run(out, *extra):
+        args = [f"model={tiny_model_dir}", "task=calculator", "num_tasks=3", "group_size=2", "temperature=1.0",
+                "max_new_tokens=6", "max_turns=1", f"out={out}", *extra]  # fmt: skip
+        return run_eval(load_config(EvalConfig, None, args))[0]
+
+    whole_metrics = run(tmp_path / "whole.jsonl")
+    whole = list(read_records(tmp_path / "whole.jsonl"))
+    resumed_out = tmp_path / "resumed.jsonl"
+    partial_path(resumed_out).write_text("".join(json.dumps(r) + "\n" for r in whole[2:4]))  # task 1's group
+    resumed_metrics = run(resumed_out, "resume=true")
+    resumed = list(read_records(resumed_out))
+    assert [r["traj_id"] for r in resumed[2:4]] == [r["traj_id"] for r in whole[2:4]]  # kept, not run again
+    assert [[row["ids"] for row in r["rows"]] for r in resumed] == [[row["ids"] for row in r["rows"]] for r in whole]
+    assert len({tuple(r["rows"][0]["ids"]) for r in whole}) > 1  # the samples differ: the seeding is what matched
+    assert resumed_metrics["accuracy"] == whole_metrics["accuracy"] and resumed_metrics["episodes"] == 6

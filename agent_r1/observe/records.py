@@ -109,8 +109,9 @@ def _turns(traj: Trajectory, rows: list[dict[str, Any]], tokenizer: Any) -> list
 def trajectory_from_record(record: dict[str, Any]) -> Trajectory:
     """The trajectory a record was made from, as its metrics and training rows need it: each step's exact
     prompt and response ids and log-probs (to the record's 6 decimals) come from its row, where step k's
-    prompt is the row up to k's first sampled token; reward, text, info and `done` from its turn. Images
-    and states are not kept in records. A resumed eval (`agent-r1 eval resume=true`) counts the episodes a
+    prompt is the row up to k's first sampled token (a step that sampled no token, such as one cut by the
+    context, keeps no ids); reward, text, info and `done` from its turn. Images and states are not kept
+    in records. A resumed eval (`agent-r1 eval resume=true`) counts the episodes a
     killed run finished through this."""
     termination = record["termination"]
     traj = Trajectory(

@@ -67,6 +67,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 import torch
@@ -101,9 +102,9 @@ def kv_budget(kv_cache_gb: float, device: torch.device) -> int:
     """Bytes the KV cache may take: `kv_cache_gb`, but at most `KV_MEMORY_SHARE` of the memory free on the
     device now. The cache grows lazily, so a budget the machine cannot hold (the default 4 GB on a laptop
     with 3 GB free) would be found out only by the OS killing the process, an hour into an eval; capped,
-    the engine evicts parked contexts sooner instead. Said once, in one line."""
+    the engine evicts parked contexts sooner instead. Said once, as a warning."""
     want = int(kv_cache_gb * 2**30)
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else free_host_memory()
     most = int(KV_MEMORY_SHARE * free)
     if want > most:
         warnings.warn(
@@ -112,6 +113,23 @@ def kv_budget(kv_cache_gb: float, device: torch.device) -> int:
             stacklevel=3,
         )
     return min(want, most)
+
+
+def free_host_memory(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """Bytes this process may still allocate: the machine's available memory, or less where a cgroup v2
+    limit (a container's `--memory`, a Slurm job's) leaves less; the OOM killer acts on the smaller. The
+    cgroup's usage counts its page cache, of which the inactive part is reclaimed before any kill, so it
+    is left out, as Kubernetes' working set does."""
+    free = psutil.virtual_memory().available
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            stat = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
+            used = int((cgroup / "memory.current").read_text()) - int(stat.get("inactive_file", 0))
+            free = min(free, max(0, int(limit) - used))
+    except (OSError, ValueError):  # no cgroup v2 here (cgroup v1, macOS): the machine's figure stands
+        pass
+    return free
 
 
 @dataclass(eq=False)

@@ -44,7 +44,7 @@ class ServeConfig:
     """how long an idle engine waits for more requests to arrive and be prefilled together"""
     kv_cache_gb: float = 4.0
     """KV memory for running requests and for finished ones kept for a continuation (evicted first);
-    requests wait for room rather than exceed it"""
+    requests wait for room rather than exceed it; at most half the memory free at start-up"""
     max_prefill_tokens: int = 2048
     """prompt tokens one forward pass prefills beside the decoding rows (chunked prefill): lower keeps the
     answers already streaming smooth while a burst arrives, higher prefills the burst sooner"""

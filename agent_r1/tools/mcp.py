@@ -144,11 +144,19 @@ class MCPServer:
         self._client = None
 
     async def _call(self, name: str, arguments: dict[str, Any]) -> ToolResult:
-        """One tool call on the background loop; a dead connection is reported, then reopened next time."""
+        """One tool call on the background loop; a dead connection is reported, then reopened next time.
+
+        Reopening (a stdio server's start-up) counts against `connect_timeout`, not the call's own
+        `timeout`: a server that starts slowly on a loaded machine is not a tool that runs too long."""
         try:
             if self._client is None:
                 await asyncio.wait_for(self._connect(), self.connect_timeout)
-            result = await self._client.call_tool(name, arguments, read_timeout_seconds=self.timeout + 5)
+            call = self._client.call_tool(name, arguments, read_timeout_seconds=self.timeout + 5)
+            try:
+                result = await asyncio.wait_for(call, self.timeout)
+            except TimeoutError:
+                message = f"Error: tool {self.prefix + name} timed out after {self.timeout:g}s"
+                return ToolResult(message, error="timeout")
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
         except BaseException as exc:
@@ -176,7 +184,8 @@ class MCPServer:
 
         schema = spec.input_schema or {"type": "object", "properties": {}}
         try:
-            return Tool(name, spec.description or "", schema, call, timeout=self.timeout)
+            # The call's own deadline is in `_call`; this one also covers reopening a dead connection.
+            return Tool(name, spec.description or "", schema, call, timeout=self.timeout + self.connect_timeout)
         except Exception as exc:  # a schema jsonschema rejects
             warnings.warn(f"MCP server {self.label}: tool {name!r} skipped: {_describe(exc)}", stacklevel=2)
             return None

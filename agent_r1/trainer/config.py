@@ -63,7 +63,7 @@ class RolloutConfig:
     """rows the engine decodes together"""
     kv_cache_gb: float = 4.0
     """rollout.engine=local: KV memory for running rows and for finished turns kept for the next one
-    (evicted first, then rows wait); freed for the update"""
+    (evicted first, then rows wait); freed for the update; at most half the memory free at start-up"""
     max_prefill_tokens: int = 2048
     """rollout.engine=local: prompt tokens one forward pass prefills beside the decoding rows (chunked
     prefill; a longer prompt takes several steps)"""

@@ -328,13 +328,13 @@ def test_greedy_turns_equal_a_fresh_engine_under_a_tiny_memory_budget(tiny_model
     assert small.stats["reused"] > 0 and len(small._parked) < 6  # some kept, some evicted
 
 
-def test_a_kv_budget_the_machine_cannot_hold_is_capped_in_one_line(tiny_model, tokenizer, monkeypatch):
+def test_a_kv_budget_the_machine_cannot_hold_is_capped_with_a_warning(tiny_model, tokenizer, monkeypatch):
     """The cache grows lazily, so kv_cache_gb=4 on a laptop with 3 GB free used to surface as the OS killing
     the process mid-eval. The engine now takes at most half the memory free when it starts, and says so."""
     prompt = tokenizer.encode(SYSTEM + "Hi")
     expected = greedy_alone(tiny_model, tokenizer, prompt, 4).token_ids
     free = 3 * 2**30
-    monkeypatch.setattr(local_engine.psutil, "virtual_memory", lambda: type("vm", (), {"available": free})())
+    monkeypatch.setattr(local_engine, "free_host_memory", lambda: free)
     with pytest.warns(UserWarning, match=r"^kv_cache_gb=4 is more than half the cpu memory free now \(3.0 GiB\): "
                       r"the engine keeps at most 1.5 GiB of keys and values$"):  # fmt: skip
         capped = LocalEngine(tiny_model, tokenizer, kv_cache_gb=4)
@@ -347,6 +347,22 @@ def test_a_kv_budget_the_machine_cannot_hold_is_capped_in_one_line(tiny_model, t
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (6 * 2**30, 80 * 2**30))  # (free, total)
     with pytest.warns(UserWarning, match=r"half the cuda memory free now \(6.0 GiB\)"):
         assert local_engine.kv_budget(4, torch.device("cuda", 0)) == 3 * 2**30  # on a GPU, its free memory
+
+
+def test_free_host_memory_is_the_smaller_of_the_machines_and_the_cgroups(tmp_path, monkeypatch):
+    """In a container (or a Slurm job) with a memory limit, the OOM killer acts at the cgroup's limit,
+    whatever the machine has free: 10 GiB available, a 6 GiB limit with 2 GiB used (and 1 GiB of
+    reclaimable page cache) leaves 4."""
+    monkeypatch.setattr(local_engine.psutil, "virtual_memory", lambda: type("vm", (), {"available": 10 * 2**30})())
+    assert local_engine.free_host_memory(tmp_path) == 10 * 2**30  # no cgroup v2 files: the machine's figure
+    (tmp_path / "memory.max").write_text("max\n")
+    assert local_engine.free_host_memory(tmp_path) == 10 * 2**30  # no limit set
+    (tmp_path / "memory.max").write_text(f"{6 * 2**30}\n")
+    (tmp_path / "memory.current").write_text(f"{3 * 2**30}\n")  # 1 GiB of it inactive page cache
+    (tmp_path / "memory.stat").write_text(f"anon {2 * 2**30}\ninactive_file {2**30}\nactive_file 0\n")
+    assert local_engine.free_host_memory(tmp_path) == 4 * 2**30
+    (tmp_path / "memory.current").write_text(f"{8 * 2**30}\n")  # past its limit: nothing to spare
+    assert local_engine.free_host_memory(tmp_path) == 0
 
 
 async def test_rows_with_different_sampling_params_share_a_batch(engine, tokenizer, forwards):

@@ -53,16 +53,16 @@ async def test_read_serves_the_episodes_own_documents_and_a_bad_number_is_an_err
     assert info["tool_errors"] == {"bad_document": 1}
 
 
-SIZES = {  # task options and budget: the default task at 1,024 tokens; recipes/dossiers_cpu.yaml's size
-    "default": ({}, 1024),
-    "cpu recipe": ({"documents": 8, "records": 2}, 560),
+SIZES = {  # task options, budget and summary_tokens: the defaults at 1,024 tokens; recipes/dossiers_cpu.yaml's
+    "default": ({}, 1024, 256),
+    "cpu recipe": ({"documents": 8, "records": 2}, 560, 128),
 }
 
 
 def final_prompt(tokenizer, strategy, task, size="default"):
     """The prompt the demonstration answers from, under `strategy` at the size's budget."""
-    options, budget = SIZES[size]
-    context = {"strategy": strategy, "budget": budget, "summary_tokens": 128}
+    options, budget, summary_tokens = SIZES[size]
+    context = {"strategy": strategy, "budget": budget, "summary_tokens": summary_tokens}
     spec = TaskSpec.from_raw({"name": "dossiers", **options, "context": context}, "task", TaskSpec())
     env = spec.env_factory(tokenizer, True, 64)()
     demo = dossiers.demo(task, memory=strategy == "memory")
@@ -92,7 +92,7 @@ def test_an_unmanaged_replay_is_the_one_row_sft_always_made(tokenizer):
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("strategy", ["truncate", "elide"])
 def test_a_fixed_strategy_answers_without_the_first_value_in_view(tokenizer, strategy, size):
-    options, budget = SIZES[size]
+    options, budget, _ = SIZES[size]
     for task in dossiers.tasks(dossiers.Options(**options), "test", 8):
         steps, prompt = final_prompt(tokenizer, strategy, task, size)
         assert all(len(s.prompt_ids) <= budget for s in steps)
@@ -102,7 +102,7 @@ def test_a_fixed_strategy_answers_without_the_first_value_in_view(tokenizer, str
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("strategy", ["summarize", "memory"])
 def test_a_learned_strategy_carries_the_first_value_to_the_answer(tokenizer, strategy, size):
-    options, budget = SIZES[size]
+    options, budget, _ = SIZES[size]
     for task in dossiers.tasks(dossiers.Options(**options), "test", 8):
         steps, prompt = final_prompt(tokenizer, strategy, task, size)
         assert all(len(s.prompt_ids) <= budget for s in steps)

@@ -45,6 +45,7 @@ def pid() -> int:
 
 
 if __name__ == "__main__":
+    time.sleep(float(os.environ.get("MCP_TEST_START_SECONDS", "0")))  # a server slow to start (a loaded machine)
     if sys.argv[1] == "stdio":
         server.run("stdio")
     else:
