@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 from scipy import stats
 
+from agent_r1.config import to_dict
 from agent_r1.data import Split
 from agent_r1.env.base import Env
 from agent_r1.env.tool_formats import ToolFormatName
@@ -93,15 +94,14 @@ class EvalConfig:
 
 def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str, float], list[Trajectory]]:
     console = console or Console()
+    if cfg.resume and not cfg.out:
+        raise ValueError("resume=true needs out=, the file whose .partial.jsonl an earlier eval left")
     tasks = cfg.task.tasks(cfg.split, cfg.num_tasks, cfg.seed)  # a bad data file fails before the model loads
     if not tasks:
         raise ValueError(f"task {cfg.task.name!r} has no {cfg.split} tasks")
-    if cfg.resume and not cfg.out:
-        raise ValueError("resume=true needs out=, the file whose .partial.jsonl an earlier eval left")
+    settings = eval_settings(cfg)
     kept = partial_path(cfg.out) if cfg.out else None
-    finished = finished_episodes(kept, tasks, cfg.group_size, cfg.resume) if kept else {}
-    if finished:
-        console.print(f"resumed: {len(finished)} of {len(tasks)} tasks finished in {kept}, the rest run now")
+    finished = finished_episodes(kept, tasks, settings, cfg.resume, console) if kept else {}
     model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     processor = load_processor(cfg.model) or tokenizer  # a vision-language model reads images through it
     make_env = cfg.task.env_factory(
@@ -120,11 +120,12 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str,
     with progress_bar(console) as bar, open(kept, "a", encoding="utf-8") if kept else contextlib.nullcontext() as f:
         episodes = bar.add_task(f"eval {cfg.task.name}", total=len(tasks) * cfg.group_size, completed=len(records))
 
-        def done(traj: Trajectory) -> None:
+        def done(traj: Trajectory, sample: int) -> None:
             bar.advance(episodes)
             if f is not None:  # a long eval killed midway keeps the episodes it finished
-                records[traj.traj_id] = trajectory_records([traj], tokenizer)[0]
-                f.write(json.dumps(records[traj.traj_id], default=str) + "\n")
+                record = trajectory_records([traj], tokenizer)[0] | {"eval": {"sample": sample, "settings": settings}}
+                records[traj.traj_id] = record
+                f.write(json.dumps(record, default=str) + "\n")
                 f.flush()
 
         done_trajs = {i: [trajectory_from_record(r) for r in group] for i, group in finished.items()}
@@ -151,16 +152,26 @@ def partial_path(out: str | Path) -> Path:
     return out.with_name(re.sub(r"\.jsonl(\.gz)?$", "", out.name) + ".partial.jsonl")
 
 
-def finished_episodes(
-    kept: Path, tasks: list[dict[str, Any]], group_size: int, resume: bool
-) -> dict[int, list[dict[str, Any]]]:
-    """{task position: its `group_size` records, in sample order} that a killed eval left in `kept`.
+RESUME_KEYS = ("model", "dtype", "task", "split", "num_tasks", "group_size", "max_turns", "prompt_format",
+               "tool_format", "temperature", "top_p", "max_new_tokens", "seed")  # fmt: skip
+"""The settings that decide which episodes an eval samples: a resumed eval must share them."""
 
-    Records are grouped by `group_id` (one task's samples); a group cut short by the kill is run again
-    whole, and whole groups are matched to the tasks by content. Without `resume` a non-empty file is
-    refused rather than overwritten: it may hold an hour of episodes. A whole group that matches no task
-    means the settings changed (another split, seed or task config): refused too, since rewriting the
-    file would drop it."""
+
+def eval_settings(cfg: EvalConfig) -> dict[str, Any]:
+    """The settings an eval record keeps (JSON as it reads back), which `resume=true` checks."""
+    everything = to_dict(cfg)
+    return json.loads(json.dumps({k: everything[k] for k in RESUME_KEYS}, default=str))
+
+
+def finished_episodes(
+    kept: Path, tasks: list[dict[str, Any]], settings: dict[str, Any], resume: bool, console: Console | None = None
+) -> dict[int, list[dict[str, Any]]]:
+    """{task position: its records, in sample order} of the tasks whose every sample a killed eval left in
+    `kept`. Each record names its sample (task position × group_size + g) and the settings that made it.
+
+    A task whose group the kill cut short is run again whole (its samples are seeded as before). Without
+    `resume` a file holding any episode is refused rather than overwritten: it may hold an hour of work;
+    so is a file made with other settings, or whose tasks differ from this eval's (changed data)."""
     if not kept.is_file():
         return {}
     lines, records = kept.read_text(encoding="utf-8").splitlines(), []
@@ -173,8 +184,17 @@ def finished_episodes(
             if n == len(lines):  # only the last line can be cut short by a kill (its episode is run again)
                 break
             record = None
-        if not isinstance(record, dict) or not {"task", "traj_id", "group_id", "rows", "turns"} <= record.keys():
-            raise ValueError(f"{kept}:{n}: not an eval record; delete the file to start over")
+        made = record.get("eval") if isinstance(record, dict) else None
+        sample = made.get("sample") if isinstance(made, dict) else None
+        if not (isinstance(sample, int) and sample >= 0 and "task" in record):
+            raise ValueError(f"{kept}:{n}: not a record of agent-r1 eval; delete the file to start over")
+        if made.get("settings") != settings:
+            theirs = made.get("settings") or {}
+            changed = [f"{k}={theirs.get(k)!r}" for k in settings if theirs.get(k) != settings[k]]
+            raise ValueError(
+                f"{kept}:{n}: made by an eval with {', '.join(changed) or 'other settings'}; resume with those "
+                "settings, or delete the file to start over"
+            )
         records.append(record)
     if not records:
         return {}
@@ -183,29 +203,25 @@ def finished_episodes(
             f"{kept} holds {len(records)} finished episodes of an earlier eval: resume=true finishes that eval "
             "(same settings), or delete the file to start over"
         )
-    groups: dict[str, list[dict[str, Any]]] = {}
+    group_size = settings["group_size"]
+    by_position: dict[int, dict[int, dict[str, Any]]] = {}  # task position -> {g: record}
     for record in records:
-        groups.setdefault(record["group_id"], []).append(record)
-    whole = [sorted(g, key=_sample_index) for g in groups.values() if len(g) == group_size]
-    by_task: dict[str, list[list[dict[str, Any]]]] = {}
-    for group in whole:
-        by_task.setdefault(_task_key(group[0]["task"]), []).append(group)
-    finished = {}
-    for i, task in enumerate(tasks):
-        if by_task.get(_task_key(task)):
-            finished[i] = by_task[_task_key(task)].pop(0)
-    oversized = sum(len(g) > group_size for g in groups.values())  # made with a larger group_size
-    if unmatched := oversized + sum(map(len, by_task.values())):
-        raise ValueError(
-            f"{kept}: {unmatched} finished groups match no task of this eval; resume with the settings that "
-            "made them (split, num_tasks, seed, group_size, task.*), or delete the file to start over"
+        position, g = divmod(record["eval"]["sample"], group_size)
+        if position >= len(tasks) or _task_key(record["task"]) != _task_key(tasks[position]):
+            raise ValueError(
+                f"{kept}: task {position} is not the one this eval reads there (its data changed); delete the "
+                "file to start over"
+            )
+        by_position.setdefault(position, {})[g] = record
+    whole = {p: group for p, group in by_position.items() if len(group) == group_size}
+    finished = {p: [group[g] for g in range(group_size)] for p, group in whole.items()}
+    cut = sum(len(group) for p, group in by_position.items() if p not in finished)
+    if console is not None:
+        console.print(
+            f"resumed: {len(finished)} of {len(tasks)} tasks finished in {kept}"
+            + (f"; {cut} episodes of groups the kill cut short run again" if cut else "")
         )
     return finished
-
-
-def _sample_index(record: dict[str, Any]) -> int:
-    """g of a record whose traj_id is `{group_id}-{g}` (the loop's naming), for its group's sample order."""
-    return int(record["traj_id"].rsplit("-", 1)[1])
 
 
 def _task_key(task: dict[str, Any]) -> str:
@@ -216,12 +232,13 @@ def _task_key(task: dict[str, Any]) -> str:
 def evaluate(
     engine: Engine, make_env: Callable[[], Env], tasks: list[dict[str, Any]], sampling: SamplingParams,
     group_size: int = 1, seed: int = 0, kind_key: str | None = None,
-    on_done: Callable[[Trajectory], None] | None = None, finished: dict[int, list[Trajectory]] | None = None,
+    on_done: Callable[[Trajectory, int], None] | None = None, finished: dict[int, list[Trajectory]] | None = None,
 ) -> tuple[dict[str, float], list[Trajectory]]:  # fmt: skip
     """Roll every task out `group_size` times; summary metrics plus `accuracy`, `episodes`, `errors`
-    (the share that ended in an exception) and `seconds` (of this call). `on_done(traj)` is called as each
-    episode ends. `finished[i]` are task i's episodes from an earlier run: they are not run again (the rest
-    are seeded as in one whole run), and they count in the metrics.
+    (the share that ended in an exception) and `seconds` (of this call). `on_done(traj, sample)` is called
+    as each episode ends (sample: task position × group_size + g). `finished[i]` are task i's episodes
+    from an earlier run: they are not run again (the rest are seeded as in one whole run), and they count
+    in the metrics.
 
     Accuracy is the share of episodes that solved their task (`agent_loop.correct`)."""
     start = time.perf_counter()

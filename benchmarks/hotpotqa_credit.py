@@ -106,7 +106,8 @@ def run_arm(name: str, sft: str, out: Path, num_tasks: int, extra: list[str], co
         train(dataclasses.replace(cfg.rl, model=sft, run_dir=str(run_dir)), console=console)
         # every step's time, those of a run this one resumed included
         model, train_s = str(run_dir / "policy"), sum(m.get("time/step", 0.0) for m in read_metrics(run_dir))
-    ecfg = dataclasses.replace(cfg.eval, model=model, out=str(arm_dir / "eval.jsonl"))
+    # the arm's training resumes where a kill left it, and so does its eval
+    ecfg = dataclasses.replace(cfg.eval, model=model, out=str(arm_dir / "eval.jsonl"), resume=True)
     metrics, trajs = run_eval(ecfg, console)
     return {"overrides": overrides, "train_seconds": train_s, "metrics": metrics} | diagnose(trajs, ecfg.max_turns)
 

@@ -37,15 +37,17 @@ def test_no_breakdown_unless_every_task_names_its_kind():
 
 
 BROKEN_TASK = '''
-"""A task whose env fails on every episode (its data service is down, say), or with `task.stall`, never
-answers for some of them."""
+"""A task whose env fails on every episode (its data service is down, say), or, for the tasks that
+BROKEN_TASK_STALL lists, never answers (an environment variable, not an option: a resumed eval must
+have the same settings)."""
 import asyncio
+import os
 from dataclasses import dataclass
 
 
 @dataclass
 class Options:
-    stall: tuple[int, ...] = ()
+    pass
 
 
 def tasks(options, split, n, seed=0):
@@ -55,17 +57,14 @@ def tasks(options, split, n, seed=0):
 class Down:
     stop = ()
 
-    def __init__(self, stall):
-        self.stall = stall
-
     async def reset(self, task):
-        if task["answer"] in self.stall:
+        if str(task["answer"]) in os.environ.get("BROKEN_TASK_STALL", "").split(","):
             await asyncio.sleep(3600)
         raise ConnectionError("the data service is down")
 
 
 def make_env(options, prompt_format, max_turns=4):
-    return Down(options.stall)
+    return Down()
 '''
 
 
@@ -152,8 +151,12 @@ def test_a_killed_eval_keeps_the_episodes_it_finished_and_resumes(tmp_path, tiny
     (tmp_path / "broken_task.py").write_text(BROKEN_TASK)
     out, partial = tmp_path / "evals" / "run.jsonl.gz", tmp_path / "evals" / "run.partial.jsonl"
     args = [sys.executable, "-m", "agent_r1.cli", "eval", f"model={tiny_model_dir}", "task=broken_task",
-            "task.stall=[1,3]", "num_tasks=4", f"out={out}"]  # fmt: skip
-    env = os.environ | {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.getcwd()}", "OMP_NUM_THREADS": "1"}
+            "num_tasks=4", f"out={out}"]  # fmt: skip
+    env = os.environ | {
+        "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.getcwd()}",
+        "OMP_NUM_THREADS": "1",
+        "BROKEN_TASK_STALL": "1,3",
+    }
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
@@ -173,7 +176,7 @@ def test_a_killed_eval_keeps_the_episodes_it_finished_and_resumes(tmp_path, tiny
 
     with open(partial, "a") as f:
         f.write('{"traj_id": "cut-by-the-kill", "ta')  # a record the kill cut short is run again
-    again = [a for a in args[3:] if a != "task.stall=[1,3]"]  # eval model=... task=... num_tasks=4 out=...
+    again = args[3:]  # eval model=... task=... num_tasks=4 out=..., in this process (where nothing stalls)
     sys.path.insert(0, str(tmp_path))
     try:
         before = partial.read_text()
@@ -202,34 +205,45 @@ def test_a_finished_eval_writes_every_record_in_task_order_and_drops_the_partial
     assert not (tmp_path / "eval.partial.jsonl").exists()
 
 
-def test_a_resumed_eval_takes_whole_groups_by_task_and_names_a_broken_line(tmp_path):
+def test_a_resumed_eval_takes_whole_groups_by_position_and_refuses_other_settings(tmp_path, capsys):
     import json
+
+    from rich.console import Console
 
     from agent_r1.evaluate import finished_episodes
 
     tasks = [{"q": "a", "n": 1.5}, {"q": "b", "n": (1, 2)}, {"q": "c"}, {"q": "b", "n": (1, 2)}]  # b twice
-    rec = lambda task, group, g: {"task": task, "traj_id": f"{group}-{g}", "group_id": group, "rows": [], "turns": []}  # noqa: E731
+    settings = {"group_size": 2, "seed": 0, "num_tasks": 4}  # (a few of the keys, for the test)
+
+    def rec(position, g, **changed):
+        task = json.loads(json.dumps(tasks[position]))  # as it reads back: the tuple is a list
+        return {
+            "task": task,
+            "traj_id": f"{position}{g}",
+            "eval": {"sample": position * 2 + g, "settings": settings | changed},
+        }
+
     kept = tmp_path / "run.partial.jsonl"
-    # b's two groups are whole (its tuple reads back as a list; samples end out of order), a's was cut short
-    # by the kill, c never ran
-    b = {"n": [1, 2], "q": "b"}
-    lines = [rec(b, "x", 1), rec(tasks[0], "y", 0), rec(b, "x", 0), rec(b, "z", 0), rec(b, "z", 1)]
+    # the second b's group is whole (its samples ended out of order), a's was cut short by the kill, c and
+    # the first b never ran, and the kill cut a line
+    lines = [rec(3, 1), rec(0, 0), rec(3, 0)]
     kept.write_text("".join(json.dumps(r) + "\n" for r in lines) + "\n" + '{"task": {"q": "a"')
-    finished = finished_episodes(kept, tasks, 2, True)
-    assert {i: [r["traj_id"] for r in g] for i, g in finished.items()} == {1: ["x-0", "x-1"], 3: ["z-0", "z-1"]}
-    with pytest.raises(ValueError, match=r"holds 5 finished episodes of an earlier eval: resume=true"):
-        finished_episodes(kept, tasks, 2, False)
-    # other settings: a group of 2 where groups hold 1, a task this eval does not have
-    with pytest.raises(ValueError, match=r"run.partial.jsonl: 2 finished groups match no task of this eval"):
-        finished_episodes(kept, tasks, 1, True)
-    with pytest.raises(ValueError, match=r"run.partial.jsonl: 1 finished groups match no task of this eval"):
-        finished_episodes(kept, tasks[:3], 2, True)
-    kept.write_text(json.dumps(lines[0]) + "\n[1, 2]\n" + json.dumps(lines[1]) + "\n")
-    with pytest.raises(ValueError, match=r"run.partial.jsonl:2: not an eval record; delete the file"):
-        finished_episodes(kept, tasks, 2, True)
+    finished = finished_episodes(kept, tasks, settings, True, Console())
+    assert {i: [r["traj_id"] for r in g] for i, g in finished.items()} == {3: ["30", "31"]}  # not the first b
+    assert "resumed: 1 of 4 tasks finished" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"holds 3 finished episodes of an earlier eval: resume=true"):
+        finished_episodes(kept, tasks, settings, False)
+    with pytest.raises(ValueError, match=r"run.partial.jsonl:1: made by an eval with group_size=2; resume with"):
+        finished_episodes(kept, tasks, settings | {"group_size": 1}, True)
+    changed = [*tasks[:3], {"q": "d"}]  # the data behind position 3 changed
+    with pytest.raises(ValueError, match=r"run.partial.jsonl: task 3 is not the one this eval reads there"):
+        finished_episodes(kept, changed, settings, True)
+    kept.write_text(json.dumps(lines[0]) + "\n" + json.dumps({"task": {}, "traj_id": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"run.partial.jsonl:2: not a record of agent-r1 eval; delete the file"):
+        finished_episodes(kept, tasks, settings, True)
     kept.write_text("")  # killed before any episode ended: nothing to keep, nothing to refuse
-    assert finished_episodes(kept, tasks, 2, False) == {}
-    assert finished_episodes(tmp_path / "none.partial.jsonl", tasks, 2, False) == {}
+    assert finished_episodes(kept, tasks, settings, False) == {}
+    assert finished_episodes(tmp_path / "none.partial.jsonl", tasks, settings, False) == {}
 
 
 def test_a_resumed_sampled_eval_is_the_whole_run(tmp_path, tiny_model_dir):
@@ -255,5 +269,5 @@ def test_a_resumed_sampled_eval_is_the_whole_run(tmp_path, tiny_model_dir):
     resumed = list(read_records(resumed_out))
     assert [r["traj_id"] for r in resumed[2:4]] == [r["traj_id"] for r in whole[2:4]]  # kept, not run again
     assert [[row["ids"] for row in r["rows"]] for r in resumed] == [[row["ids"] for row in r["rows"]] for r in whole]
-    assert len({tuple(r["rows"][0]["ids"]) for r in whole}) > 1  # the samples differ: the seeding is what matched
+    assert whole[0]["rows"][0]["ids"] != whole[1]["rows"][0]["ids"]  # one task's two samples differ: seeding matters
     assert resumed_metrics["accuracy"] == whole_metrics["accuracy"] and resumed_metrics["episodes"] == 6

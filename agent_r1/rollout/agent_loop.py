@@ -50,7 +50,7 @@ class AgentEnvLoop:
         group_size: int = 1,
         first_index: int = 0,
         cohort: bool = True,
-        on_done: Callable[[Trajectory], None] | None = None,
+        on_done: Callable[[Trajectory, int], None] | None = None,
         positions: Sequence[int] | None = None,
     ) -> list[Trajectory]:
         """Trajectories of every task × `group_size` samples, grouped task by task. Sample g of the task at
@@ -58,8 +58,8 @@ class AgentEnvLoop:
         + g`-th: a worker given a share of a batch, or a resumed eval given the tasks a killed one left,
         samples its trajectories exactly as one loop over the whole batch would. `cohort=False` lets other
         callers' requests share the engine's batches as they come (an asynchronous producer's groups).
-        `on_done(traj)` is called as each episode ends, in the order they end (eval's progress and the
-        records it keeps as it goes)."""
+        `on_done(traj, index)` is called as each episode ends, in the order they end, with its sample index
+        (eval's progress, and the records it keeps as it goes: the index says which sample each one is)."""
         if positions is not None and len(positions) != len(tasks):
             raise ValueError(f"positions: {len(positions)} for {len(tasks)} tasks")
         trajs, indices = [], []
@@ -77,13 +77,13 @@ class AgentEnvLoop:
         tasks: list[dict[str, Any]],
         group_size: int = 1,
         first_index: int = 0,
-        on_done: Callable[[Trajectory], None] | None = None,
+        on_done: Callable[[Trajectory, int], None] | None = None,
         positions: Sequence[int] | None = None,
     ) -> list[Trajectory]:
         return asyncio.run(self.run(tasks, group_size, first_index, on_done=on_done, positions=positions))
 
     async def _episode(
-        self, traj: Trajectory, index: int, cohort: Any = None, on_done: Callable[[Trajectory], None] | None = None
+        self, traj: Trajectory, index: int, cohort: Any = None, on_done: Callable[[Trajectory, int], None] | None = None
     ) -> None:
         if cohort is not None:
             cohort.join()
@@ -137,7 +137,7 @@ class AgentEnvLoop:
                     await close()
         traj.metrics = trajectory_metrics(traj)
         if on_done is not None:
-            on_done(traj)
+            on_done(traj, index)
 
     def _params(self, env: Env, index: int, turn: int) -> SamplingParams:
         """The loop's sampling params + the env's stop strings + a per-(trajectory, turn) seed."""

@@ -115,21 +115,45 @@ def kv_budget(kv_cache_gb: float, device: torch.device) -> int:
     return min(want, most)
 
 
-def free_host_memory(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
-    """Bytes this process may still allocate: the machine's available memory, or less where a cgroup v2
-    limit (a container's `--memory`, a Slurm job's) leaves less; the OOM killer acts on the smaller. The
-    cgroup's usage counts its page cache, of which the inactive part is reclaimed before any kill, so it
-    is left out, as Kubernetes' working set does."""
+def free_host_memory(root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")) -> int:
+    """Bytes this process may still allocate: the machine's available memory, or less where a cgroup
+    limit on this process's cgroup or one above it (a container's `--memory`, a Slurm job's) leaves less;
+    the OOM killer acts on the smaller. A cgroup's usage counts its page cache, of which the inactive
+    part is reclaimed before any kill, so it is left out, as Kubernetes' working set does."""
     free = psutil.virtual_memory().available
-    try:
-        limit = (cgroup / "memory.max").read_text().strip()
-        if limit != "max":
-            stat = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
-            used = int((cgroup / "memory.current").read_text()) - int(stat.get("inactive_file", 0))
-            free = min(free, max(0, int(limit) - used))
-    except (OSError, ValueError):  # no cgroup v2 here (cgroup v1, macOS): the machine's figure stands
-        pass
+    for limit, used in _cgroup_memory(root, membership):
+        free = min(free, max(0, limit - used))
     return free
+
+
+def _cgroup_memory(root: Path, membership: Path) -> list[tuple[int, int]]:
+    """(limit, usage less inactive page cache) of each cgroup from this process's up to the root that
+    sets a memory limit: cgroup v2's unified tree (the `0::/path` line) or v1's memory controller."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:  # not Linux
+        return []
+    found = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base, files = root, ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            base, files = root / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        group = base / path.strip("/")
+        for level in [group, *group.parents]:
+            try:
+                limit = (level / files[0]).read_text().strip()
+                if limit != "max":  # v1 writes "no limit" as a huge number, which changes nothing
+                    stat = dict(x.split(maxsplit=1) for x in (level / "memory.stat").read_text().splitlines())
+                    found.append((int(limit), int((level / files[1]).read_text()) - int(stat.get(files[2], 0))))
+            except (OSError, ValueError):  # no limit kept at this level (the root cgroup, another mount)
+                pass
+            if level == base:
+                break
+    return found
 
 
 @dataclass(eq=False)

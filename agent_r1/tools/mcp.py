@@ -151,10 +151,12 @@ class MCPServer:
         try:
             if self._client is None:
                 await asyncio.wait_for(self._connect(), self.connect_timeout)
-            call = self._client.call_tool(name, arguments, read_timeout_seconds=self.timeout + 5)
             try:
-                result = await asyncio.wait_for(call, self.timeout)
+                async with asyncio.timeout(self.timeout) as deadline:
+                    result = await self._client.call_tool(name, arguments, read_timeout_seconds=self.timeout + 5)
             except TimeoutError:
+                if not deadline.expired():  # the SDK's own (a write to a wedged transport): a dead connection
+                    raise
                 message = f"Error: tool {self.prefix + name} timed out after {self.timeout:g}s"
                 return ToolResult(message, error="timeout")
         except (asyncio.CancelledError, KeyboardInterrupt):
@@ -185,7 +187,8 @@ class MCPServer:
         schema = spec.input_schema or {"type": "object", "properties": {}}
         try:
             # The call's own deadline is in `_call`; this one also covers reopening a dead connection.
-            return Tool(name, spec.description or "", schema, call, timeout=self.timeout + self.connect_timeout)
+            deadline = self.timeout + self.connect_timeout + 10  # + the cancelled call's courtesy notice
+            return Tool(name, spec.description or "", schema, call, timeout=deadline)
         except Exception as exc:  # a schema jsonschema rejects
             warnings.warn(f"MCP server {self.label}: tool {name!r} skipped: {_describe(exc)}", stacklevel=2)
             return None

@@ -350,19 +350,33 @@ def test_a_kv_budget_the_machine_cannot_hold_is_capped_with_a_warning(tiny_model
 
 
 def test_free_host_memory_is_the_smaller_of_the_machines_and_the_cgroups(tmp_path, monkeypatch):
-    """In a container (or a Slurm job) with a memory limit, the OOM killer acts at the cgroup's limit,
-    whatever the machine has free: 10 GiB available, a 6 GiB limit with 2 GiB used (and 1 GiB of
-    reclaimable page cache) leaves 4."""
+    """In a container or a Slurm job the OOM killer acts at a cgroup's limit, whatever the machine has
+    free. 10 GiB available; the job's cgroup, above the process's own, has a 6 GiB limit with 3 GiB used, of
+    which 1 GiB is inactive page cache: 4 GiB are left. The same under cgroup v1's memory controller."""
     monkeypatch.setattr(local_engine.psutil, "virtual_memory", lambda: type("vm", (), {"available": 10 * 2**30})())
-    assert local_engine.free_host_memory(tmp_path) == 10 * 2**30  # no cgroup v2 files: the machine's figure
-    (tmp_path / "memory.max").write_text("max\n")
-    assert local_engine.free_host_memory(tmp_path) == 10 * 2**30  # no limit set
-    (tmp_path / "memory.max").write_text(f"{6 * 2**30}\n")
-    (tmp_path / "memory.current").write_text(f"{3 * 2**30}\n")  # 1 GiB of it inactive page cache
-    (tmp_path / "memory.stat").write_text(f"anon {2 * 2**30}\ninactive_file {2**30}\nactive_file 0\n")
-    assert local_engine.free_host_memory(tmp_path) == 4 * 2**30
-    (tmp_path / "memory.current").write_text(f"{8 * 2**30}\n")  # past its limit: nothing to spare
-    assert local_engine.free_host_memory(tmp_path) == 0
+    root, membership = tmp_path / "cgroup", tmp_path / "membership"
+    free = lambda: local_engine.free_host_memory(root, membership)  # noqa: E731
+    assert free() == 10 * 2**30  # not Linux: the machine's figure
+    membership.write_text("0::/job/step\n")
+    assert free() == 10 * 2**30  # no cgroup files: the machine's figure
+    job, step = root / "job", root / "job" / "step"
+    step.mkdir(parents=True)
+    (step / "memory.max").write_text("max\n")  # the process's own cgroup sets no limit
+    (job / "memory.max").write_text(f"{6 * 2**30}\n")
+    (job / "memory.current").write_text(f"{3 * 2**30}\n")
+    (job / "memory.stat").write_text(f"anon {2 * 2**30}\ninactive_file {2**30}\nactive_file 0\n")
+    assert free() == 4 * 2**30
+    (job / "memory.current").write_text(f"{8 * 2**30}\n")  # past its limit: nothing to spare
+    assert free() == 0
+    v1 = root / "memory" / "box"
+    v1.mkdir(parents=True)
+    membership.write_text("4:memory:/box\n1:cpu:/\n")
+    (v1 / "memory.limit_in_bytes").write_text(f"{5 * 2**30}\n")
+    (v1 / "memory.usage_in_bytes").write_text(f"{2 * 2**30}\n")
+    (v1 / "memory.stat").write_text(f"inactive_file 0\ntotal_inactive_file {2**30}\n")
+    assert free() == 4 * 2**30
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    assert free() == 10 * 2**30
 
 
 async def test_rows_with_different_sampling_params_share_a_batch(engine, tokenizer, forwards):

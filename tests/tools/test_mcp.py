@@ -81,16 +81,17 @@ async def test_a_dead_stdio_server_is_an_observation_then_restarted(stdio):
 
 async def test_a_restart_slower_than_the_call_timeout_still_answers():
     """On a loaded machine (CI's two workers) a stdio server took longer to start again than the call's
-    2 s timeout, and the call after a crash timed out. Starting counts against connect_timeout instead."""
-    server = MCPServer(command=[sys.executable, SERVER, "stdio"], env={"MCP_TEST_START_SECONDS": "2"}, timeout=1)
+    2 s timeout, and the call after a crash timed out. Starting counts against connect_timeout instead:
+    here the server takes 4 s to start and a call may take 2."""
+    server = MCPServer(command=[sys.executable, SERVER, "stdio"], env={"MCP_TEST_START_SECONDS": "4"}, timeout=2)
     try:
         tools = server.tools()
         before = (await execute_tool_call(tools, "pid", {})).output
         assert (await execute_tool_call(tools, "die", {})).error == "unavailable"
         after = await execute_tool_call(tools, "pid", {})
-        assert after.error is None and after.output != before and after.seconds > 2
-        slow = await execute_tool_call(tools, "slow", {"seconds": 10})  # the call itself still has 1 s
-        assert slow.error == "timeout" and slow.output == "Error: tool slow timed out after 1s"
+        assert after.error is None and after.output != before and after.seconds > 4
+        slow = await execute_tool_call(tools, "slow", {"seconds": 10})  # the call itself still has 2 s
+        assert slow.error == "timeout" and slow.output == "Error: tool slow timed out after 2s"
     finally:
         server.close()
 
