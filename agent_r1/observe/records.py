@@ -111,8 +111,8 @@ def trajectory_from_record(record: dict[str, Any]) -> Trajectory:
     prompt and response ids and log-probs (to the record's 6 decimals) come from its row, where step k's
     prompt is the row up to k's first sampled token (a step that sampled no token, such as one cut by the
     context, keeps no ids); reward, text, info and `done` from its turn. Images and states are not kept
-    in records. A resumed eval (`agent-r1 eval resume=true`) counts the episodes a
-    killed run finished through this."""
+    in records. A resumed eval (`agent-r1 eval resume=true`) counts the episodes a killed run finished
+    through this."""
     termination = record["termination"]
     traj = Trajectory(
         task=record["task"],
@@ -127,10 +127,9 @@ def trajectory_from_record(record: dict[str, Any]) -> Trajectory:
         for pos, k in enumerate(row["step_index"]):
             if k >= 0:
                 where.setdefault(k, (row, []))[1].append(pos)
-    for n, turn in enumerate(record["turns"]):
+    for turn in record["turns"]:
         row, positions = where.get(turn["index"], ({"ids": [], "logprobs": []}, []))  # no token sampled: no ids
         info = turn["info"] | ({"tool_results": turn["tool_results"]} if turn["tool_results"] else {})
-        last_done = n == len(record["turns"]) - 1 and termination == Termination.ANSWERED  # records before "done"
         traj.steps.append(
             Step(
                 prompt_ids=row["ids"][: positions[0]] if positions else [],
@@ -141,7 +140,7 @@ def trajectory_from_record(record: dict[str, Any]) -> Trajectory:
                 text=turn["response"],
                 index=turn["index"],
                 finish_reason=turn["finish_reason"],
-                done=turn.get("done", last_done),
+                done=turn["done"],
             )
         )
     return traj

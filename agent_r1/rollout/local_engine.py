@@ -135,7 +135,9 @@ def _cgroup_memory(root: Path, membership: Path) -> list[tuple[int, int]]:
         return []
     found = []
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        _, controllers, path = [*line.split(":", 2), "", ""][:3]  # id:controllers:path
+        if not path:
+            continue
         if controllers == "":
             base, files = root, ("memory.max", "memory.current", "inactive_file")
         elif "memory" in controllers.split(","):

@@ -98,8 +98,6 @@ def test_a_record_gives_back_its_trajectory_steps_and_metrics(tokenizer, rewrite
         assert {f: getattr(a, f) for f in fields} == {f: getattr(b, f) for f in fields}
     assert [s.done for s in back.steps] == [False, True] and back.outcome == 1.0 and correct(back) == 1.0
     assert summarize([back]) == summarize([traj])
-    del rec["turns"][1]["done"]  # a record written before turns kept `done`: an answered episode's last step
-    assert trajectory_from_record(rec).outcome == 1.0
 
 
 def test_write_read_roundtrip_and_step_files(tmp_path, tokenizer):
