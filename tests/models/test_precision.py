@@ -136,6 +136,11 @@ def test_rng_state_round_trip():
     assert ("cuda" in state) == torch.cuda.is_available()
 
 
+@pytest.mark.skipif(
+    torch.torch_version.TorchVersion(torch.__version__) < "2.13",
+    reason="torch < 2.13's AdamW makes its step counter on the default device (seen with 2.11 on an H200); "
+    "the project pins 2.13, where it is made on the CPU",
+)
 @pytest.mark.parametrize(
     "overrides", [[], ["algo.estimator=ppo", "algo.loss_agg=seq-mean-token-mean", "algo.kl_coef=0.1"]]
 )
