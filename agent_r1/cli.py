@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import typing
 
@@ -48,8 +49,23 @@ COMMANDS = {
 POSITIONAL = {"export": "checkpoint", "view": "run_dir", "plot": "run_dir"}
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (`timeout`, `kill`, Slurm or Kubernetes ending a job) exit the way Ctrl-C does, through
+    `finally` blocks and atexit. Python's default dies at once, so the servers a command started as its
+    children (a τ² customer's `agent-r1 serve`, an OpenEnv app: agent_r1/utils/servers.py) lived on, each
+    holding its memory and port. Left alone where the caller already chose a handler."""
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_143)
+
+
+def _exit_143(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     fix_mmap_threshold()  # long CPU runs otherwise fragment the heap (agent_r1/utils/malloc.py)
+    if argv is None:  # the process's own command line (not a caller's, such as a test runner's)
+        exit_on_sigterm()
     parser = argparse.ArgumentParser(
         prog="agent-r1",
         description="RL for multi-turn, tool-using LLM agents",

@@ -1,5 +1,6 @@
 """Bad input through the CLI: one line on stderr, exit code 2, no traceback."""
 
+import contextlib
 import sys
 
 import pytest
@@ -100,3 +101,55 @@ def test_third_party_progress_bars_only_with_verbose(tiny_model_dir, tmp_path, v
     assert out.returncode == 0, out.stderr[-2000:]
     bars = [line for line in (out.stdout + out.stderr).splitlines() if "Loading weights" in line]
     assert bool(bars) == verbose, out.stderr[-2000:]
+
+
+HEALTH_SERVER = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+STARTS_A_SERVER = f"""
+import sys, time
+from agent_r1.cli import exit_on_sigterm
+from agent_r1.utils.servers import _SERVERS, local_server
+exit_on_sigterm()
+local_server("health", lambda port: [sys.executable, "-c", {HEALTH_SERVER!r}, str(port)], "the test server")
+print(_SERVERS["health"][0].pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_sigterm_stops_the_servers_a_command_started():
+    """`timeout 6000 agent-r1 eval task=tau2 ...` killed at its limit left the customer's `agent-r1 serve`
+    running (5 GB, its port), since Python's default SIGTERM skips atexit. Now a command exits through it."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", STARTS_A_SERVER], stdout=subprocess.PIPE, text=True)
+    server = None
+    try:
+        server = int(proc.stdout.readline())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(server, 0)
+            except ProcessLookupError:
+                break  # the server is gone
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"the server {server} outlived the command that started it")
+    finally:
+        proc.kill()
+        if server is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(server, signal.SIGKILL)
