@@ -59,6 +59,9 @@ def exit_on_sigterm() -> None:
 
 
 def _exit_143(signum: int, frame: object) -> None:
+    """Once: a second SIGTERM (`timeout` forwards its own, a scheduler may repeat it) would interrupt the
+    exit it started, halfway through stopping the servers."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 

@@ -10,6 +10,9 @@ object (`task=my_pkg.my_task:TASK`):
     demos(options, env, n, seed)              optional: SFT demonstrations (chat messages, see trainer/sft.py)
     KIND_KEY                                  optional: the task field that names a kind of problem, for
                                               a per-kind accuracy in eval (the calculator's "ops")
+    SLOW_STEPS                                optional, True: an env step waits seconds on another model or
+                                              a service (τ²'s customer), so rollouts do not batch in lockstep
+                                              (agent_loop.AgentEnvLoop.run)
 
 The built-in tasks live in `agent_r1/tasks/` and are found by name (`task=calculator`). Nothing in the
 library imports a task module: entry points resolve the name here, at run time, so adding a task is
@@ -165,6 +168,11 @@ class EnvFactory:
     max_turns: int
     tool_format: str = "auto"  # the tool-call family (agent_r1.env.tool_formats): auto = the template's
     context: ContextConfig = dataclasses.field(default_factory=ContextConfig)
+
+    @property
+    def slow_steps(self) -> bool:
+        """The task's `SLOW_STEPS`: its env steps take seconds (a model call), not milliseconds."""
+        return bool(getattr(load_task(self.task), "SLOW_STEPS", False))
 
     def __call__(self) -> Env:
         fmt = prompt_format_for(self.tokenizer, chat=self.chat, tool_format_name=self.tool_format)

@@ -57,7 +57,11 @@ class AgentEnvLoop:
         position p (`positions[j]` for task j, else j) is seeded as the loop's `first_index + p * group_size
         + g`-th: a worker given a share of a batch, or a resumed eval given the tasks a killed one left,
         samples its trajectories exactly as one loop over the whole batch would. `cohort=False` lets other
-        callers' requests share the engine's batches as they come (an asynchronous producer's groups).
+        callers' requests share the engine's batches as they come (an asynchronous producer's groups), and
+        so does an env factory whose `slow_steps` is true (`SLOW_STEPS` in the task): a lockstep batch
+        waits for every episode's step before it decodes on, so steps of seconds (τ²'s customer, a model
+        on the same machine) would run one at a time. Such rollouts are reproducible up to fp32 rounding
+        between batch shapes, not bit for bit.
         `on_done(traj, index)` is called as each episode ends, in the order they end, with its sample index
         (eval's progress, and the records it keeps as it goes: the index says which sample each one is)."""
         if positions is not None and len(positions) != len(tasks):
@@ -67,6 +71,7 @@ class AgentEnvLoop:
             group, p = uuid.uuid4().hex[:12], j if positions is None else positions[j]
             trajs += [Trajectory(task=task, traj_id=f"{group}-{g}", group_id=group) for g in range(group_size)]
             indices += [first_index + p * group_size + g for g in range(group_size)]
+        cohort = cohort and not getattr(self.make_env, "slow_steps", False)
         make_cohort = getattr(self.engine, "cohort", None) if cohort else None  # LocalEngine: timing-free batches
         with make_cohort(len(trajs)) if make_cohort else contextlib.nullcontext() as members:
             await asyncio.gather(*(self._episode(t, i, members, on_done) for t, i in zip(trajs, indices, strict=True)))

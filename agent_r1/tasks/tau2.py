@@ -23,6 +23,8 @@ from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.env.tau2 import Tau2Env, task_ids
 from agent_r1.utils import servers
 
+SLOW_STEPS = True  # every agent turn waits for the customer's reply, a model call of seconds
+
 
 @dataclass
 class Options:

@@ -100,6 +100,30 @@ def test_positions_sample_a_share_of_the_tasks_as_the_whole_run_does(engine, tok
         loop.run_sync(TASKS[:2], positions=[0])
 
 
+def test_slow_steps_roll_out_without_a_lockstep_cohort(engine, tokenizer, monkeypatch):
+    """A lockstep cohort waits for every episode's env step before decoding on: with τ²'s customer (a model
+    call of seconds) the customers answered one at a time and a 20-conversation eval took hours. A task
+    that declares SLOW_STEPS rolls out without one; every other task keeps its timing-free batches."""
+    from agent_r1.task import TaskSpec
+
+    opened, real = [], engine.cohort
+    monkeypatch.setattr(engine, "cohort", lambda size: (opened.append(size), real(size))[1])
+
+    class Factory:  # what the loop reads of an EnvFactory: a callable with the task's slow_steps
+        def __init__(self, slow):
+            self.slow_steps = slow
+
+        def __call__(self):
+            return ChattyEnv(tokenizer)
+
+    for slow in (False, True):
+        trajs = AgentEnvLoop(engine, Factory(slow), SamplingParams(max_new_tokens=4)).run_sync(TASKS[:2], 2)
+        assert len(trajs) == 4 and all(t.steps for t in trajs)
+    assert opened == [4]  # the fast task's 4 episodes in one cohort, the slow task's in none
+    assert TaskSpec("tau2").env_factory(tokenizer, True, 4).slow_steps
+    assert not TaskSpec("calculator").env_factory(tokenizer, True, 4).slow_steps
+
+
 def test_rewards_and_metrics(engine, tokenizer):
     trajs = run(engine, tokenizer, group=1, turns=2)
     assert all(t.rewards == [0.5, 1.0] and t.reward == 1.5 for t in trajs)
