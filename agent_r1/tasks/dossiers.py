@@ -163,17 +163,23 @@ def demos(options: Options, env: ToolEnv, n: int, seed: int = 0) -> list[list[Me
 
 
 def demo(task: dict[str, Any], memory: bool = False) -> list[Message]:
-    """One task solved: read documents 1.. up to the second person's; with `memory`, the turn after the
-    first person's document notes the value while reading on. Tool results are the documents."""
+    """One task solved: read documents 1.. up to the second person's, then answer. With `memory`, the turn
+    after each person's document notes the value, and the answer follows the second note.
+
+    Each turn makes one call: a rollout's turn ends at the first `</tool_call>` (the format's stop
+    string), so a demonstration turn of two calls is one a policy could never sample, and SFT on it
+    taught the note to come second, where it was never reached."""
     messages: list[Message] = [{"role": "user", "content": task["question"]}]
+
+    def turn(name: str, arguments: dict[str, Any], result: str) -> None:
+        messages.extend([{"role": "assistant", "content": format_tool_call(name, arguments)},
+                         {"role": "user", "content": format_tool_responses([result])}])  # fmt: skip
+
     for d in range(1, task["found_in"][1] + 1):
-        call = format_tool_call("read", {"document": d})
-        if memory and d == task["found_in"][0] + 1:
-            call = format_tool_call("note", {"text": _fact(task, 0)}) + "\n" + call
-        shown = [task["documents"][d - 1]]
-        if "note" in call:
-            shown.insert(0, "Noted (1 notes).")
-        messages += [{"role": "assistant", "content": call}, {"role": "user", "content": format_tool_responses(shown)}]
+        turn("read", {"document": d}, task["documents"][d - 1])
+        if memory and d in task["found_in"]:
+            i = task["found_in"].index(d)
+            turn("note", {"text": _fact(task, i)}, f"Noted ({i + 1} notes).")
     messages.append({"role": "assistant", "content": f"<answer>{task['answer']}</answer>"})
     return messages
 

@@ -81,6 +81,21 @@ def test_the_whole_read_is_twice_the_budget_and_append_only_overflows(tokenizer)
     assert len(steps) < turns and all(len(s.prompt_ids) <= 1024 for s in steps)  # ended as context_overflow
 
 
+@pytest.mark.parametrize("memory", [False, True])
+def test_every_demonstration_turn_is_one_a_rollout_can_sample(tokenizer, memory):
+    """A turn ends at the first `</tool_call>` in a rollout: a demonstrated turn holds one call or the answer."""
+    task = dossiers.tasks(OPTIONS, "train", 1)[0]
+    turns = [m["content"] for m in dossiers.demo(task, memory) if m["role"] == "assistant"]
+    assert all(t.count("</tool_call>") == 1 and t.endswith("</tool_call>") for t in turns[:-1])
+    assert turns[-1] == f"<answer>{task['answer']}</answer>"
+    notes = [t for t in turns if '"note"' in t]
+    assert len(notes) == (2 if memory else 0)
+    if memory:  # each value noted in the turn right after its document was read, the answer after the second
+        reads = [t for t in turns if '"read"' in t]
+        assert len(reads) == task["found_in"][1]
+        assert turns.index(notes[0]) == task["found_in"][0] and turns[-2] == notes[1]
+
+
 def test_an_unmanaged_replay_is_the_one_row_sft_always_made(tokenizer):
     env = TaskSpec("dossiers").env_factory(tokenizer, True, 64)()
     task = dossiers.tasks(OPTIONS, "train", 1)[0]
