@@ -40,6 +40,7 @@ WORDS = ("ember", "falcon", "cobalt", "willow", "quartz", "harbor", "lantern", "
          "thistle", "velvet", "anchor", "birch", "cinder", "dune", "fable", "glacier", "hollow", "juniper")  # fmt: skip
 COLOURS = ("red", "blue", "green", "grey", "black", "white", "yellow", "brown")
 ATTRIBUTES = ("password", "city", "badge")
+MAX_PEOPLE = (len(FIRST) - 2) * len(LAST) + 2  # the names `_names` can give
 
 INSTRUCTIONS = (
     "Answer the question from the documents. Read them one at a time, in order, with the read tool, until "
@@ -57,9 +58,10 @@ class Options:
     """what questions ask for, cycled: password, city, badge"""
 
     def __post_init__(self) -> None:
-        if self.documents < 6 or not 1 <= self.records <= 20:
+        if self.documents < 6 or not 1 <= self.records <= 20 or self.documents * self.records > MAX_PEOPLE:
             raise ValueError(
-                f"task.documents must be >= 6 and task.records in 1..20, got {self.documents}, {self.records}"
+                f"task.documents must be >= 6, task.records in 1..20 and documents x records <= {MAX_PEOPLE}, "
+                f"got {self.documents}, {self.records}"
             )
         if not self.attributes or any(a not in ATTRIBUTES for a in self.attributes):
             raise ValueError(f"task.attributes must be some of {', '.join(ATTRIBUTES)}, got {self.attributes}")
@@ -70,15 +72,17 @@ def make_task(
 ) -> dict[str, Any]:
     """Task k: the documents (a list of texts), the two people asked about, and the answer."""
     rng = random.Random(k)
-    names = rng.sample([f"{a} {b}" for a in FIRST for b in LAST], documents * records)
+    asked = rng.sample(FIRST, 2)  # first names no one else in the task has (why: `_names`)
+    first, second = rng.randrange(3), documents - 1 - rng.randrange(3)
+    where = [first * records + rng.randrange(records), second * records + rng.randrange(records)]
+    names = _names(rng, asked, documents * records, where)
     people = [
         {"name": n, "city": rng.choice(CITIES), "password": rng.choice(WORDS), "badge": str(rng.randint(1000, 9999)),
          "colour": rng.choice(COLOURS)}
         for n in names
     ]  # fmt: skip
     docs = [people[d * records : (d + 1) * records] for d in range(documents)]
-    first, second = rng.randrange(3), documents - 1 - rng.randrange(3)
-    a, b = rng.choice(docs[first]), rng.choice(docs[second])
+    a, b = people[where[0]], people[where[1]]
     attribute = attributes[k % len(attributes)]
     what = {"password": "passwords", "city": "home cities", "badge": "badge numbers"}[attribute]
     return {
@@ -92,6 +96,18 @@ def make_task(
         "answer": f"{a[attribute]}, {b[attribute]}",
         "attribute": attribute,
     }
+
+
+def _names(rng: random.Random, asked: list[str], n: int, where: list[int]) -> list[str]:
+    """`n` distinct names; the two asked about (first names `asked`) at positions `where`, and no one else
+    with either first name. Why: a person's first name then finds their record. With namesakes
+    ("Olga Weiss" asked, "Olga Stahl" in the document), SmolLM2-135M after SFT noted the namesake's value
+    (docs/benchmarks.md#context-management), and the task measured telling names apart, not what the
+    context keeps."""
+    others = rng.sample([f"{a} {b}" for a in FIRST if a not in asked for b in LAST], n - 2)
+    for name, at in zip(asked, where, strict=True):
+        others.insert(at, f"{name} {rng.choice(LAST)}")
+    return others
 
 
 def _document(number: int, people: list[dict[str, str]]) -> str:

@@ -28,6 +28,8 @@ def test_splits_are_fixed_and_disjoint_and_each_answer_is_in_its_documents():
         line_b = next(x for x in t["documents"][j - 1].splitlines() if x.startswith(f"{b} lives"))
         assert f"{attr} {t['values'][0]}" in line_a and f"{attr} {t['values'][1]}" in line_b
         assert sum(f"{a} lives" in d for d in t["documents"]) == 1  # one record per name
+        for name in (a, b):  # no namesake: the first name alone finds the record
+            assert sum(line.startswith(name.split()[0] + " ") for d in t["documents"] for line in d.splitlines()) == 1
 
 
 def test_reward_needs_both_values_in_order():
@@ -172,5 +174,7 @@ def test_a_demo_list_out_of_task_order_is_one_line(tokenizer, monkeypatch):
 def test_options_are_checked():
     with pytest.raises(ValueError, match=r"task\.documents must be >= 6"):
         dossiers.Options(documents=4)
+    with pytest.raises(ValueError, match=r"documents x records <= 362"):
+        dossiers.Options(documents=19, records=20)
     with pytest.raises(ValueError, match=r"task\.attributes must be some of password, city, badge"):
         dossiers.Options(attributes=("colour",))
