@@ -102,7 +102,7 @@ def _names(rng: random.Random, asked: list[str], n: int, where: list[int]) -> li
     """`n` distinct names; the two asked about (first names `asked`) at positions `where`, and no one else
     with either first name. Why: a person's first name then finds their record. With namesakes
     ("Olga Weiss" asked, "Olga Stahl" in the document), SmolLM2-135M after SFT noted the namesake's value
-    (docs/benchmarks.md#context-management), and the task measured telling names apart, not what the
+    (docs/benchmarks.md, "Why SFT taught no note"), and the task measured telling names apart, not what the
     context keeps."""
     others = rng.sample([f"{a} {b}" for a in FIRST if a not in asked for b in LAST], n - 2)
     for name, at in zip(asked, where, strict=True):
