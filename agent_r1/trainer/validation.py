@@ -78,6 +78,12 @@ class Validator:
         self.console.print(
             f"validation after step {step}: {m} {value:.3g} (best {self.best[m]:.3g} at step {self.best['step']})"
         )
+        if step == 0 and self.out is not None and m.startswith("accuracy") and value >= 1:
+            self.console.print(
+                f"[yellow]validation: the starting policy already scores {m} 1 on the {len(self.tasks)} validation "
+                "tasks, and a tie keeps the earlier step, so no RL step can replace it in policy/: raise "
+                "val.num_tasks, or set val.keep_best=false to export the last step[/yellow]"
+            )
         return {f"val/{k}": v for k, v in metrics.items()} | {"val/best_step": self.best["step"]}
 
 

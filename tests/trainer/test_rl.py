@@ -205,6 +205,20 @@ def test_validation_selects_on_any_eval_metric(tmp_path, tokenizer, monkeypatch)
     assert json.loads((tmp_path / "run/policy/best.json").read_text()) == {"step": 2, "reward/f1": 0.9}
 
 
+def test_a_starting_policy_that_validates_perfectly_is_flagged(tmp_path, tokenizer, monkeypatch, capsys):
+    """At accuracy 1 before the first step no RL step can be kept (a tie keeps the earlier step), so the run
+    says so at once instead of exporting the starting weights silently at the end."""
+    scripted_validation(monkeypatch, [1.0, 1.0])
+    _, hist = run(val_config(tmp_path, "steps=1"), tokenizer)
+    assert [h["val/best_step"] for h in hist] == [0, 0]
+    out = " ".join(capsys.readouterr().out.split())
+    assert "the starting policy already scores accuracy 1 on the 3 validation tasks" in out
+    assert "val.keep_best=false" in out
+    scripted_validation(monkeypatch, [0.75, 1.0])
+    run(val_config(tmp_path / "b", "steps=1"), tokenizer)
+    assert "starting policy already scores" not in capsys.readouterr().out
+
+
 def test_an_unknown_validation_metric_is_a_one_line_error(tmp_path, tokenizer):
     with pytest.raises(ValueError, match=r"val\.metric='acc' is not an eval metric; choose from .*accuracy"):
         run(val_config(tmp_path, "val.metric=acc"), tokenizer)
