@@ -270,12 +270,17 @@ def test_a_worker_killed_under_async_is_revived_and_its_group_rolled_out_again(l
     assert metrics == {"ray/restarts": 1.0} and pool.take_metrics() == {}
 
 
-def test_async_training_with_ray_workers(local_ray, tmp_path, tokenizer):
+def test_async_training_with_ray_workers(local_ray, tmp_path, tokenizer, monkeypatch):
     """rollout.max_staleness=1 with cluster.rollout_workers=2: the producer's groups run on the workers,
-    which get each update's weights; nothing is more than one update old."""
+    which get each update's weights; nothing is more than one update old. Each update is held for a
+    second, so the workers run ahead of it however loaded the machine is (the toy's own update takes
+    milliseconds, and under a second test worker the producer sometimes had not started yet)."""
+    from agent_r1.trainer import rl
     from agent_r1.trainer.rl import train
     from tests.trainer.conftest import toy_config
 
+    update = rl.policy_update
+    monkeypatch.setattr(rl, "policy_update", lambda *a, **k: (time.sleep(1.0), update(*a, **k))[1])
     cfg = toy_config(tmp_path, "steps=4", "cluster.rollout_workers=2", "rollout.max_staleness=1")
     hist = train(cfg, model=tiny_model(seed=0), tokenizer=tokenizer, make_env=LowIdEnv, tasks=TASKS)
     assert [h["step"] for h in hist] == [1, 2, 3, 4]
