@@ -2,6 +2,8 @@
 agent carries forward (a summary, a note) solves; its demonstrations replayed under each strategy."""
 
 import copy
+import itertools
+import re
 
 import pytest
 
@@ -139,6 +141,26 @@ def test_a_demonstrations_summary_states_only_what_its_prompt_shows(tokenizer):
                     stated += 1
                     assert f"{task['people'][i]} lives" in prompt or fact in prompt
     assert stated >= 8  # every task's summaries carry at least its first value
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_a_demonstrations_summary_names_the_action_that_follows_it(tokenizer, size):
+    """The demonstrated step after a summary is the one its last sentence names: the answer once both
+    values are found, else the next document (the cue SFT needs to answer after a summary)."""
+    options, _, _ = SIZES[size]
+    followed = set()
+    for task in dossiers.tasks(dossiers.Options(**options), "test", 8):
+        steps, _ = final_prompt(tokenizer, "summarize", task, size)
+        for s, after in itertools.pairwise(steps):
+            if s.text.startswith("<summary>"):
+                if after.text.startswith("<answer>"):
+                    assert s.text.endswith("Next: answer.</summary>")
+                    followed.add("answer")
+                else:
+                    d = re.search(r'"document": (\d+)', after.text).group(1)
+                    assert s.text.endswith(f"Next: read document {d}.</summary>")
+                    followed.add("read")
+    assert followed == {"answer", "read"}
 
 
 def test_summarize_demonstrations_become_rows_with_their_summaries(tokenizer):
