@@ -280,7 +280,12 @@ def test_async_training_with_ray_workers(local_ray, tmp_path, tokenizer, monkeyp
     from tests.trainer.conftest import toy_config
 
     update = rl.policy_update
-    monkeypatch.setattr(rl, "policy_update", lambda *a, **k: (time.sleep(1.0), update(*a, **k))[1])
+
+    def slow_update(*args, **kwargs):
+        time.sleep(1.0)
+        return update(*args, **kwargs)
+
+    monkeypatch.setattr(rl, "policy_update", slow_update)
     cfg = toy_config(tmp_path, "steps=4", "cluster.rollout_workers=2", "rollout.max_staleness=1")
     hist = train(cfg, model=tiny_model(seed=0), tokenizer=tokenizer, make_env=LowIdEnv, tasks=TASKS)
     assert [h["step"] for h in hist] == [1, 2, 3, 4]
