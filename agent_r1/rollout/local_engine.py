@@ -57,6 +57,7 @@ it (`GenerateOutput.versions`), so a response that spans an update says which to
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import contextvars
 import functools
@@ -64,6 +65,7 @@ import random
 import threading
 import time
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -230,6 +232,22 @@ class _Parked:
     stamp: int  # last use (least recently used goes first)
 
 
+_ENGINES: weakref.WeakSet[LocalEngine] = weakref.WeakSet()  # the live engines, for _stop_decode_threads
+
+
+@atexit.register
+def _stop_decode_threads() -> None:
+    """At exit, stop each engine's decode thread between two steps. SIGTERM or Ctrl-C mid-rollout
+    (`cli.exit_on_sigterm`) exits while the daemon thread is inside a forward pass, and torch torn down
+    under it aborted the process ("terminate called without an active exception", exit 134, not 143)."""
+    for engine in list(_ENGINES):
+        with engine._cond:
+            engine._swapping += 1  # the decode thread leaves at the next token boundary (_work)
+            thread = engine._thread
+        if thread is not None:
+            thread.join(timeout=60)
+
+
 class LocalEngine:
     """Continuously batched, KV-cached sampling from a Hugging Face causal LM in this process."""
 
@@ -285,6 +303,7 @@ class LocalEngine:
         self._parked: list[_Parked] = []  # any order
         self._index: dict[int, _Parked] = {}  # block hash of a token prefix -> a parked entry holding it
         self._clock = 0
+        _ENGINES.add(self)
 
     # --- callers --------------------------------------------------------------------------------
 

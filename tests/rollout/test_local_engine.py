@@ -550,3 +550,55 @@ def test_a_running_slot_opens_in_a_full_buffer_and_the_parked_keys_move_intact(t
     assert engine._open_running_slot() == 1
     assert cache.slots == 3 and parked.slot == 2 and engine._slot == [row, None, parked]
     assert all((layer[:, 2, :, :20] == 7.0).all() for layer in cache.buf)
+
+
+KILLED_MID_DECODE = """
+import threading, time
+from transformers import AutoTokenizer
+from agent_r1.cli import exit_on_sigterm
+from agent_r1.models.loading import resolve_model_path
+from agent_r1.rollout.engine import SamplingParams
+from agent_r1.rollout.local_engine import LocalEngine
+from tests.conftest import make_tiny_llama
+
+exit_on_sigterm()
+tok = AutoTokenizer.from_pretrained(resolve_model_path("default"))
+engine = LocalEngine(make_tiny_llama(len(tok), hidden=256), tok, max_context=100000)
+params = SamplingParams(max_new_tokens=50000, temperature=1.0)
+generate = lambda: engine.generate_batch([tok.encode("Hello")] * 8, params, seeds=list(range(8)))
+threading.Thread(target=generate, daemon=True).start()
+while engine.stats["decode_steps"] < 3:
+    time.sleep(0.01)
+print("decoding", flush=True)
+time.sleep(600)
+"""
+
+
+def test_sigterm_mid_decode_exits_143_not_an_abort():
+    """`agent-r1 train` killed mid-rollout exited 134 ("terminate called without an active exception"):
+    the daemon decode thread was inside a forward pass while the interpreter tore torch down. The engine
+    now stops its decode thread at exit, so the kill ends as SIGTERM should (128 + 15)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_MID_DECODE],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "decoding", proc.stderr.read()
+        time.sleep(0.5)  # well inside the decode loop
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+        assert rc == 128 + signal.SIGTERM, f"exit {rc}: {proc.stderr.read()[-500:]}"
+    finally:
+        proc.kill()
