@@ -1,8 +1,13 @@
 import asyncio
 import copy
 import dataclasses
+import os
+import signal
+import subprocess
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -578,12 +583,6 @@ def test_sigterm_mid_decode_exits_143_not_an_abort():
     """`agent-r1 train` killed mid-rollout exited 134 ("terminate called without an active exception"):
     the daemon decode thread was inside a forward pass while the interpreter tore torch down. The engine
     now stops its decode thread at exit, so the kill ends as SIGTERM should (128 + 15)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
     proc = subprocess.Popen(
