@@ -56,6 +56,9 @@ class Options:
     """people per document (~25 tokens each)"""
     attributes: tuple[str, ...] = ATTRIBUTES
     """what questions ask for, cycled: password, city, badge"""
+    process_reward: bool = False
+    """memory strategy: reward each note that keeps a value asked for, Phi = share of the two noted
+    (`notes_kept`), weighted by `algo.process_reward_weight`"""
 
     def __post_init__(self) -> None:
         if self.documents < 6 or not 1 <= self.records <= 20 or self.documents * self.records > MAX_PEOPLE:
@@ -166,8 +169,25 @@ def read_tool(documents: Callable[[], list[str]]) -> Tool:
 def make_env(options: Options, prompt_format: PromptFormat, max_turns: int = 12) -> ToolEnv:
     """A ToolEnv whose `read` tool serves the episode's own task."""
     env = ToolEnv({"read": read_tool(lambda: env.task["documents"])}, prompt_format, reward,
-                  instructions=INSTRUCTIONS, max_turns=max_turns)  # fmt: skip
+                  instructions=INSTRUCTIONS, max_turns=max_turns,
+                  potential=notes_kept if options.process_reward else None)  # fmt: skip
     return env
+
+
+def notes_kept(task: dict[str, Any], results: list[dict[str, Any]]) -> float:
+    """Phi: the share of the two values asked for that a note so far keeps, with its person's first name
+    (first names are unique within a task: `_names`). A turn that notes a value earns +1/2 (potential-based
+    shaping, Ng et al. 1999); a note of the wrong person or a miscopied value earns nothing.
+    Why: with the outcome alone, a group whose samples all fail, or all succeed, carries no signal, and
+    from the memory SFT most groups were one or the other (docs/benchmarks.md, "RL from a weaker SFT
+    start"); the notes are where those episodes differ."""
+    notes = [_words(str(r["arguments"].get("text", ""))) for r in results if r["name"] == "note" and not r["error"]]
+    asked = [(_words(p)[0], _norm(v)) for p, v in zip(task["people"], task["values"], strict=True)]
+    return sum(any(name in n and value in n for n in notes) for name, value in asked) / len(asked)
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
 
 
 def demos(options: Options, env: ToolEnv, n: int, seed: int = 0) -> list[list[Message]]:

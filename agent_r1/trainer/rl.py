@@ -33,6 +33,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,7 @@ from agent_r1.rollout.vllm_engine import VLLMEngine, import_vllm
 from agent_r1.task import TaskSpec, resolve_chat, resolve_tool_format
 from agent_r1.trainer.checkpoint import export_policy, resume, save_checkpoint
 from agent_r1.trainer.common import adamw, lr_schedule
-from agent_r1.trainer.config import TrainConfig
+from agent_r1.trainer.config import AlgoConfig, TrainConfig
 from agent_r1.trainer.critic import Critic, fill_old_values, set_gae
 from agent_r1.trainer.curriculum import Curriculum
 from agent_r1.trainer.export import policy_info
@@ -239,7 +240,9 @@ def train(
             if not lockstep:  # asynchronous: the groups the producer finished, none more than k updates old
                 trajs, rollout_metrics = _take(producer, dist)
             elif cfg.rollout.dynamic_sampling:  # DAPO: draw until the step's groups all carry a signal
-                trajs, rollout_metrics = dynamic_sampling(draw, cfg.rollout.tasks_per_step, cfg.rollout.max_draws)
+                trajs, rollout_metrics = dynamic_sampling(
+                    draw, cfg.rollout.tasks_per_step, cfg.rollout.max_draws, partial(task_return, cfg.algo)
+                )
             else:
                 trajs = draw(cfg.rollout.tasks_per_step, 0)
             if lockstep and isinstance(engine, VLLMEngine | LocalEngine):
@@ -421,13 +424,23 @@ def _group_runner(
     return EngineGroups(engine, make_env, r.sampling(), cfg.seed)
 
 
+def task_return(algo: AlgoConfig, t: Trajectory) -> float:
+    """The episode's return as the estimators see it (`step_rewards`, before PRIME normalisation): the
+    outcome, plus the weighted process rewards unless they are a potential's, which telescope away."""
+    return t.outcome + (0.0 if algo.process_reward_potential else algo.process_reward_weight * sum(t.process_rewards))
+
+
 def dynamic_sampling(
-    draw: Callable[[int, int], list[Trajectory]], groups: int, max_draws: int
+    draw: Callable[[int, int], list[Trajectory]],
+    groups: int,
+    max_draws: int,
+    value: Callable[[Trajectory], float] = lambda t: t.outcome,
 ) -> tuple[list[Trajectory], dict[str, float]]:
     """DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476): a group whose samples all got the same
-    outcome has no group-relative advantage, so it is dropped and new tasks are drawn (`draw(n, round)`)
-    until `groups` groups differ, for `max_draws` rounds at most; a step still short trains on those it
-    has (on the first round's groups when none differed). Returns the trajectories and the counts."""
+    return (`value`: the outcome, plus the process rewards that the estimators add to it) has no
+    group-relative advantage, so it is dropped and new tasks are drawn (`draw(n, round)`) until `groups`
+    groups differ, for `max_draws` rounds at most; a step still short trains on those it has (on the
+    first round's groups when none differed). Returns the trajectories and the counts."""
     kept: list[list[Trajectory]] = []
     first: list[Trajectory] = []
     drawn = rounds = 0
@@ -440,7 +453,7 @@ def dynamic_sampling(
         drawn += len(by_group)
         rounds += 1
         for members in by_group.values():
-            outcomes = {round(t.outcome, 6) for t in members if t.steps and t.termination != Termination.ERROR}
+            outcomes = {round(value(t), 6) for t in members if t.steps and t.termination != Termination.ERROR}
             if len(outcomes) > 1:
                 kept.append(members)
     metrics = {"dynamic_sampling/rounds": float(rounds), "dynamic_sampling/groups_drawn": float(drawn)}

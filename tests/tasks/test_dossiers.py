@@ -193,6 +193,42 @@ def test_a_demo_list_out_of_task_order_is_one_line(tokenizer, monkeypatch):
         demo_rows(SFTConfig(task=spec, num_examples=2), make_env(), make_env)
 
 
+async def test_the_process_reward_pays_each_note_that_keeps_a_value_asked_for(tokenizer):
+    """With `task.process_reward`, a note earns 1/2 for each value asked for that it is the first to keep
+    with its person's name; reads, a repeated note, a note of the wrong value or person earn nothing."""
+    context = {"strategy": "memory", "budget": 560, "summary_tokens": 128}
+    raw = {"name": "dossiers", "documents": 8, "records": 2, "process_reward": True, "context": context}
+    spec = TaskSpec.from_raw(raw, "task", TaskSpec())
+    task = dossiers.tasks(dossiers.Options(documents=8, records=2), "train", 1)[0]
+    demo = dossiers.demo(task, memory=True)
+    notes = [i for i, m in enumerate(demo) if '"note"' in str(m["content"])]
+
+    async def rewards(messages):  # each assistant turn's reward, stepped through a fresh env
+        env, out = spec.env_factory(tokenizer, True, 64)(), []
+        await env.reset(task)
+        for m in messages:
+            if m["role"] == "assistant":
+                ids = tokenizer.encode(m["content"])
+                out.append((await env.step(Action(ids, [0.0] * len(ids), m["content"], "stop"))).reward or 0.0)
+        return out
+
+    got = await rewards(demo)
+    turn = [i for i, m in enumerate(demo) if m["role"] == "assistant"]  # step k is demo[turn[k]]
+    assert [got[turn.index(i)] for i in notes] == [0.5, 0.5] and got[-1] == 1.0 and sum(got) == 2.0
+    (a, b), (va, vb) = [p.split()[0] for p in task["people"]], task["values"]
+    for first, second, expected in [
+        (f"{a}: {va}", f"{a}: {va}", 0.5),  # the first value noted twice
+        (f"{a}: {vb}", f"{b}: {va}", 0.0),  # each person with the other's value
+        (f"{a}: {va}", f"someone: {vb}", 0.5),  # the second value without its person
+    ]:
+        wrong = copy.deepcopy(demo)
+        for i, text in zip(notes, (first, second), strict=True):
+            wrong[i]["content"] = dossiers.format_tool_call("note", {"text": text})
+        assert sum((await rewards(wrong))[:-1]) == expected
+    plain = TaskSpec.from_raw({"name": "dossiers"}, "task", TaskSpec())
+    assert plain.env_factory(tokenizer, True, 64)().potential is None  # off unless asked for
+
+
 def test_options_are_checked():
     with pytest.raises(ValueError, match=r"task\.documents must be >= 6"):
         dossiers.Options(documents=4)

@@ -578,6 +578,13 @@ def test_dynamic_sampling_draws_until_every_group_differs(tmp_path, tokenizer):
                        "dynamic_sampling/groups_kept": 2.0}  # fmt: skip
     same = dynamic_sampling(lambda n, r: group(f"z{r}", [1, 1]), groups=2, max_draws=2)
     assert [t.group_id for t in same[0]] == ["z0", "z0"] and same[1]["dynamic_sampling/rounds"] == 2.0
+    # the same outcomes, but a process reward on the first step of one sample: a difference in the return
+    noted = [Trajectory(task={}, traj_id=f"p-{i}", group_id="p",
+                        steps=[Step([1], [2], [0.0], r), Step([1], [2], [0.0], 0.0, done=True)])
+             for i, r in enumerate([0.5, 0.0])]  # fmt: skip
+    assert dynamic_sampling(lambda n, r: noted, 1, 1)[1]["dynamic_sampling/groups_kept"] == 0.0
+    judged = dynamic_sampling(lambda n, r: noted, 1, 1, lambda t: t.outcome + sum(t.process_rewards))
+    assert judged[1]["dynamic_sampling/groups_kept"] == 1.0
 
     cfg = toy_config(tmp_path, "steps=2", "rollout.dynamic_sampling=true", "rollout.max_draws=3")
     _, hist = run(cfg, tokenizer)
