@@ -557,7 +557,8 @@ def test_an_rl_step_on_pictures_trains_through_the_vision_tower(tmp_path, tiny_l
 def test_dynamic_sampling_draws_until_every_group_differs(tmp_path, tokenizer):
     """DAPO's dynamic sampling: groups whose samples all got the same reward are dropped and new tasks
     drawn, so the step trains on tasks_per_step groups that each carry a group-relative signal."""
-    from agent_r1.trainer.rl import dynamic_sampling
+    from agent_r1.trainer.config import AlgoConfig
+    from agent_r1.trainer.rl import dynamic_sampling, task_return
     from agent_r1.types import Step, Trajectory
 
     def group(gid, outcomes):
@@ -585,6 +586,9 @@ def test_dynamic_sampling_draws_until_every_group_differs(tmp_path, tokenizer):
     assert dynamic_sampling(lambda n, r: noted, 1, 1)[1]["dynamic_sampling/groups_kept"] == 0.0
     judged = dynamic_sampling(lambda n, r: noted, 1, 1, lambda t: t.outcome + sum(t.process_rewards))
     assert judged[1]["dynamic_sampling/groups_kept"] == 1.0
+    # what train judges by: the weighted process rewards, none when they are a potential's (they telescope)
+    assert task_return(AlgoConfig(process_reward_weight=0.5), noted[0]) == 0.25
+    assert task_return(AlgoConfig(process_reward_weight=0.5, process_reward_potential=True), noted[0]) == 0.0
 
     cfg = toy_config(tmp_path, "steps=2", "rollout.dynamic_sampling=true", "rollout.max_draws=3")
     _, hist = run(cfg, tokenizer)
