@@ -425,9 +425,13 @@ def _group_runner(
 
 
 def task_return(algo: AlgoConfig, t: Trajectory) -> float:
-    """The episode's return as the estimators see it (`step_rewards`, before PRIME normalisation): the
-    outcome, plus the weighted process rewards unless they are a potential's, which telescope away."""
-    return t.outcome + (0.0 if algo.process_reward_potential else algo.process_reward_weight * sum(t.process_rewards))
+    """The episode's return as the estimators see it, from the same `step_rewards` (without PRIME
+    normalisation, which is the batch's): the outcome, plus the weighted process rewards unless they are a
+    potential's, which telescope away."""
+    process = torch.tensor(t.process_rewards, dtype=torch.float64)  # [K]
+    outcome = torch.tensor([t.outcome], dtype=torch.float64)  # [1]
+    (r,) = step_rewards([process], outcome, algo.process_reward_weight, potential=algo.process_reward_potential)
+    return float(r.sum())
 
 
 def dynamic_sampling(
