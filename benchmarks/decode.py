@@ -80,6 +80,8 @@ def main() -> None:
         print(f"{name}: {args.rows} rows, {tokens} tokens in {seconds:.2f} s of decode: {tokens / seconds:.0f} tok/s")
         share = f"{gflops / peak:.0%} of the 1024-row rate, {gflops / at_rows:.0%} of the {args.rows}-row one"
         print(f"        {gflops:.0f} GFLOP/s: {share}; first row's tokens {outs[0].token_ids[:6]}")
+        prefill = engine.stats["prefill_s"] - before["prefill_s"]
+        print(f"        prefill: {sum(lengths)} prompt tokens in {prefill:.2f} s: {sum(lengths) / prefill:.0f} tok/s")
         engine.sleep()
 
 

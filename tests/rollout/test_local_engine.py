@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from agent_r1.models.precision import autocast, set_precision
-from agent_r1.rollout import local_engine
+from agent_r1.rollout import kv_cache, local_engine
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
 from tests.conftest import make_tiny_llama, recompute_logprobs
@@ -535,6 +535,42 @@ def test_sliding_window_layers_see_only_their_window(tokenizer):
     model.config.sliding_window = 1024  # the same model without the window: other log-probs
     with pytest.raises(AssertionError):
         assert_logprobs_match_a_plain_forward(model, prompts, outs)
+
+
+def test_sliding_window_layers_read_only_their_window(tokenizer, monkeypatch):
+    """A sliding-window layer's attention reads only the columns its tokens can see, not the whole
+    context. Every layer here slides over 6 columns: a sequence that grows to 25 tokens in 5-token
+    prompt chunks reads at most 5 + 6 - 1 columns a call (a chunk and the window of its first token),
+    and a decode row 6. Rows of different lengths decoding together still get a plain forward's
+    log-probs."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
+        layer_types=["sliding_attention", "sliding_attention"], max_position_embeddings=1024,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    model = Gemma3ForCausalLM(config).eval()
+    widths = []
+    sdpa = kv_cache.F.scaled_dot_product_attention
+
+    def recorded(q, k, v, **kwargs):
+        widths.append(k.shape[2])  # [rows, Hkv, W, D]: the columns this call reads
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(kv_cache.F, "scaled_dot_product_attention", recorded)
+    engine = LocalEngine(model, tokenizer, seed=0, max_context=1024, max_prefill_tokens=5)
+    engine.eos_ids = {-1}  # the sequence decodes all 12 tokens
+    prompt = tokenizer.encode(SYSTEM)[:13]
+    (out,) = gen(engine, [prompt], max_new_tokens=12, temperature=1.0)
+    monkeypatch.undo()
+    assert len(prompt) + len(out.token_ids) == 25
+    assert widths and max(widths) == 5 + 6 - 1  # the second chunk: columns 5..9, the first of which sees 0..5
+    prompts = [tokenizer.encode(SYSTEM)[:n] for n in (13, 7)]
+    outs = gen(engine, prompts, max_new_tokens=12, temperature=1.0)
+    assert_logprobs_match_a_plain_forward(model, prompts, outs)
 
 
 def test_a_running_slot_opens_in_a_full_buffer_and_the_parked_keys_move_intact(tiny_model, tokenizer):
