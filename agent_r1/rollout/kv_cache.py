@@ -56,7 +56,7 @@ class Segment:
     `decode`: one token per row, rows in slots slot .. slot + count - 1; otherwise `count` tokens of
     the one sequence in `slot` (a prefill chunk). `cols` [count] are the tokens' columns (= positions
     for the mask); the segment reads columns 0 .. width - 1 of its slots, width = max(cols) + 1 (a
-    sliding-window layer from `start(window)` on).
+    sliding-window layer only those its window reaches: `blocks`).
     """
 
     token: int
@@ -66,29 +66,38 @@ class Segment:
     cols: torch.Tensor  # [count]
     width: int  # max(cols) + 1, the columns it reads (given from the host: no device read)
     lowest: int  # min(cols)
-    _masks: dict = field(default_factory=dict)
+    _blocks: dict = field(default_factory=dict)
 
-    def start(self, window: int | None) -> int:
-        """The first column any of its tokens sees: 0, or under a sliding window the lowest token's
-        window start. Why: Gemma 3's sliding layers (5 of every 6) see 512 columns, and a τ² conversation
-        holds 6-8k; reading only the window makes their attention ~16x cheaper at that length."""
-        return 0 if window is None else max(self.lowest - window + 1, 0)
+    def blocks(self, window: int | None) -> list[tuple[slice, slice, torch.Tensor | None]]:
+        """How the segment attends in a layer with this window, one SDPA call a block: (its tokens in the
+        pass, the columns they read, which of those each sees, or None where nothing is hidden: rows of
+        one length, a chunk from column 0 under `is_causal`). Built once per pass and window, shared by
+        every layer.
 
-    def mask(self, window: int | None) -> torch.Tensor | None:
-        """Which of columns start(window) .. width - 1 each token sees ([count, 1, 1, W] for rows, [1, 1,
-        count, W] for a chunk; True = attend), None where nothing is hidden (rows of one length, a chunk
-        from column 0 under `is_causal`). Built once per pass and window, shared by every layer."""
-        if window not in self._masks:
-            kv = torch.arange(self.start(window), self.width, device=self.cols.device)  # [W]
-            sees = kv <= self.cols[:, None]  # [count, W] causal: its own column and those before
-            if window is not None:
-                sees &= self.cols[:, None] - kv < window  # a sliding-window layer (Gemma 3)
-            if self.decode:  # rows of one length see their whole window; rows of different lengths do not
-                self._masks[window] = sees[:, None, None] if self.lowest + 1 < self.width else None
-            else:  # a chunk after held columns, or longer than its window
-                hidden = self.lowest > 0 or (window is not None and self.width > window)
-                self._masks[window] = sees[None, None] if hidden else None
-        return self._masks[window]
+        Why blocks: a sliding-window layer (Gemma 3: 512 columns in 5 of every 6 layers) reads from its
+        lowest token's window on, not from column 0, where a τ² conversation holds 6-8k columns. A prompt
+        chunk longer than the window is cut into blocks of `window` queries that read 2 x window - 1
+        columns each, so its attention grows linearly with its length, not quadratically (the banded
+        attention of Longformer, Beltagy et al. 2020, as blocks)."""
+        if window not in self._blocks:
+            n, step = self.count, self.count if self.decode or window is None else window
+            self._blocks[window] = [self._block(a, min(a + step, n), window) for a in range(0, n, step)]
+        return self._blocks[window]
+
+    def _block(self, a: int, b: int, window: int | None) -> tuple[slice, slice, torch.Tensor | None]:
+        """Tokens a .. b - 1 of the segment as one block (rows: all of them; a chunk's columns run on)."""
+        lowest, width = (self.lowest, self.width) if self.decode else (self.lowest + a, self.lowest + b)
+        start = 0 if window is None else max(lowest - window + 1, 0)
+        cols = self.cols[a:b, None]  # [n, 1]
+        kv = torch.arange(start, width, device=cols.device)  # [W]
+        sees = kv <= cols  # [n, W] causal: its own column and those before
+        if window is not None:
+            sees &= cols - kv < window  # a sliding-window layer
+        if self.decode:  # rows of one length see every column read
+            mask = sees[:, None, None] if lowest + 1 < width else None  # [n, 1, 1, W]
+        else:  # a chunk after held columns, or longer than its window
+            mask = sees[None, None] if lowest > 0 or (window is not None and width > window) else None  # [1, 1, n, W]
+        return slice(self.token + a, self.token + b), slice(start, width), mask
 
 
 def slot_attention(
@@ -104,25 +113,26 @@ def slot_attention(
     q = query[0]  # [Hq, T, D]
     out = query.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, Hq, D]
     for seg in cache.segments:
-        tokens, mask = slice(seg.token, seg.token + seg.count), seg.mask(window)
-        cols = slice(seg.start(window), seg.width)  # a sliding layer reads only its window
-        if seg.decode:  # each row reads its own slot, only up to the segment's longest row
-            rows = slice(seg.slot, seg.slot + seg.count)
-            # a kv head's G query heads as G queries of it: its keys are read once, not G times (GQA)
-            grouped = q[:, tokens].transpose(0, 1).reshape(seg.count, key.shape[1], -1, q.shape[2])  # [c, Hkv, G, D]
-            o = F.scaled_dot_product_attention(
-                grouped, key[rows, :, cols], value[rows, :, cols],  # [c, Hkv, W, D]
-                attn_mask=mask, scale=scale,
-            )  # fmt: skip
-            out[tokens] = o.reshape(seg.count, -1, q.shape[2])  # [c, Hq, D]
-        else:  # a chunk of one sequence over its slot: causal, offset by the columns it already holds
-            row = slice(seg.slot, seg.slot + 1)
-            o = F.scaled_dot_product_attention(
-                q[None, :, tokens],  # [1, Hq, k, D]
-                key[row, :, cols], value[row, :, cols],  # [1, Hkv, W, D]
-                attn_mask=mask, is_causal=mask is None and seg.count > 1, scale=scale, enable_gqa=True,
-            )  # fmt: skip
-            out[tokens] = o[0].transpose(0, 1)
+        for tokens, cols, mask in seg.blocks(window):
+            if seg.decode:  # each row reads its own slot, only up to the segment's longest row
+                rows = slice(seg.slot, seg.slot + seg.count)
+                # a kv head's G query heads as G queries of it: its keys are read once, not G times (GQA)
+                grouped = q[:, tokens].transpose(0, 1).reshape(seg.count, key.shape[1], -1, q.shape[2])
+                # grouped: [c, Hkv, G, D]
+                o = F.scaled_dot_product_attention(
+                    grouped, key[rows, :, cols], value[rows, :, cols],  # [c, Hkv, W, D]
+                    attn_mask=mask, scale=scale,
+                )  # fmt: skip
+                out[tokens] = o.reshape(seg.count, -1, q.shape[2])  # [c, Hq, D]
+            else:  # a chunk of one sequence over its slot: causal, offset by the columns it already holds
+                row = slice(seg.slot, seg.slot + 1)
+                o = F.scaled_dot_product_attention(
+                    q[None, :, tokens],  # [1, Hq, k, D]
+                    key[row, :, cols], value[row, :, cols],  # [1, Hkv, W, D]
+                    attn_mask=mask, is_causal=mask is None and tokens.stop - tokens.start > 1, scale=scale,
+                    enable_gqa=True,
+                )  # fmt: skip
+                out[tokens] = o[0].transpose(0, 1)
     return out[None], None
 
 

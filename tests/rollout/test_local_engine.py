@@ -537,11 +537,13 @@ def test_sliding_window_layers_see_only_their_window(tokenizer):
         assert_logprobs_match_a_plain_forward(model, prompts, outs)
 
 
-def test_sliding_window_layers_read_only_their_window(tokenizer, monkeypatch):
+@pytest.mark.parametrize("max_prefill_tokens, widest", [(5, 5 + 6 - 1), (1024, 2 * 6 - 1)])
+def test_sliding_window_layers_read_only_their_window(tokenizer, monkeypatch, max_prefill_tokens, widest):
     """A sliding-window layer's attention reads only the columns its tokens can see, not the whole
-    context. Every layer here slides over 6 columns: a sequence that grows to 25 tokens in 5-token
-    prompt chunks reads at most 5 + 6 - 1 columns a call (a chunk and the window of its first token),
-    and a decode row 6. Rows of different lengths decoding together still get a plain forward's
+    context. Every layer here slides over 6 columns, and a sequence grows to 25 tokens. Prefilled in
+    5-token chunks, a call reads at most a chunk and the window of its first token (10 columns); prefilled
+    whole, the 13-token prompt is cut into blocks of 6 queries, each reading at most 2 x 6 - 1 columns;
+    a decode row reads 6. Rows of different lengths decoding together still get a plain forward's
     log-probs."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -561,13 +563,14 @@ def test_sliding_window_layers_read_only_their_window(tokenizer, monkeypatch):
         return sdpa(q, k, v, **kwargs)
 
     monkeypatch.setattr(kv_cache.F, "scaled_dot_product_attention", recorded)
-    engine = LocalEngine(model, tokenizer, seed=0, max_context=1024, max_prefill_tokens=5)
+    engine = LocalEngine(model, tokenizer, seed=0, max_context=1024, max_prefill_tokens=max_prefill_tokens)
     engine.eos_ids = {-1}  # the sequence decodes all 12 tokens
     prompt = tokenizer.encode(SYSTEM)[:13]
     (out,) = gen(engine, [prompt], max_new_tokens=12, temperature=1.0)
     monkeypatch.undo()
     assert len(prompt) + len(out.token_ids) == 25
-    assert widths and max(widths) == 5 + 6 - 1  # the second chunk: columns 5..9, the first of which sees 0..5
+    assert widths and max(widths) == widest
+    assert_logprobs_match_a_plain_forward(model, [prompt], [out])
     prompts = [tokenizer.encode(SYSTEM)[:n] for n in (13, 7)]
     outs = gen(engine, prompts, max_new_tokens=12, temperature=1.0)
     assert_logprobs_match_a_plain_forward(model, prompts, outs)
