@@ -514,20 +514,25 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_the_decoding_rows(tiny_mode
     assert_logprobs_match_a_plain_forward(tiny_model, prompts, outs)
 
 
-def test_sliding_window_layers_see_only_their_window(tokenizer):
-    """Gemma 3 alternates sliding-window and full layers: a key more than `sliding_window` positions back
-    is hidden in the sliding ones, in decode rows and prompt chunks alike. The engine's log-probs are a
-    plain forward's (transformers' own masks) well past the window."""
+def tiny_gemma3(tokenizer, layer_types: list[str]):
+    """A 2-layer Gemma 3 whose sliding layers see 6 columns, seeded."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
     config = Gemma3TextConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
-        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=1024,
+        layer_types=layer_types, max_position_embeddings=1024,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
-    model = Gemma3ForCausalLM(config).eval()
+    return Gemma3ForCausalLM(config).eval()
+
+
+def test_sliding_window_layers_see_only_their_window(tokenizer):
+    """Gemma 3 alternates sliding-window and full layers: a key more than `sliding_window` positions back
+    is hidden in the sliding ones, in decode rows and prompt chunks alike. The engine's log-probs are a
+    plain forward's (transformers' own masks) well past the window."""
+    model = tiny_gemma3(tokenizer, ["sliding_attention", "full_attention"])
     engine = LocalEngine(model, tokenizer, seed=0, max_context=1024, max_prefill_tokens=5)
     prompts = [tokenizer.encode(SYSTEM)[:n] for n in (13, 7)]
     outs = gen(engine, prompts, max_new_tokens=12, temperature=1.0)
@@ -545,16 +550,7 @@ def test_sliding_window_layers_read_only_their_window(tokenizer, monkeypatch, ma
     whole, the 13-token prompt is cut into blocks of 6 queries, each reading at most 2 x 6 - 1 columns;
     a decode row reads 6. Rows of different lengths decoding together still get a plain forward's
     log-probs."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
-        layer_types=["sliding_attention", "sliding_attention"], max_position_embeddings=1024,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
-    model = Gemma3ForCausalLM(config).eval()
+    model = tiny_gemma3(tokenizer, ["sliding_attention", "sliding_attention"])
     widths = []
     sdpa = kv_cache.F.scaled_dot_product_attention
 
