@@ -68,9 +68,10 @@ def main() -> None:
     engines = [("previous", previous_engine_class(args.baseline))] if args.baseline else []
     for name, cls in [*engines, ("current", LocalEngine)]:
         kw = {} if name == "previous" else {"max_prefill_tokens": sum(lengths)}  # prefill, then decode only
+        model.config._attn_implementation = "sdpa"  # each engine sets its own slot attention
         engine = cls(model, tokenizer, max_batch_size=args.rows, seed=0, **kw)
         engine.eos_ids = {-1}  # every row decodes all its tokens
-        engine.generate_batch(prompts[:2], SamplingParams(max_new_tokens=4), [0, 1])  # warm-up
+        engine.generate_batch(prompts[:2], SamplingParams(max_new_tokens=4), [0, 1][: args.rows])  # warm-up
         before = dict(engine.stats)
         outs = engine.generate_batch(prompts, SamplingParams(max_new_tokens=args.new_tokens), list(range(args.rows)))
         seconds = engine.stats["decode_s"] - before["decode_s"]

@@ -59,6 +59,8 @@ def previous_engine_class(rev: str) -> type:
             ["git", "show", f"{rev}:agent_r1/rollout/{name}.py"], cwd=ROOT, check=True, capture_output=True, text=True
         ).stdout
         source = source.replace("from agent_r1.rollout.kv_cache import", "from agent_r1_previous.kv_cache import")
+        # its slot attention under a name of its own: under the same name, the one imported last served both
+        source = source.replace('"agent_r1_slots"', '"agent_r1_slots_previous"')
         spec = importlib.util.spec_from_loader(f"agent_r1_previous.{name}", loader=None)
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
@@ -145,8 +147,9 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}")
     print(f"model {args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, fp32")
     print(f"{args.tasks} trajectories at once x {args.turns} turns, <= {args.max_new_tokens} new tokens a turn, T=1")
-    engines = {}
+    engines, attention = {}, {}
     for name in args.engines.split(","):
+        model.config._attn_implementation = "sdpa"  # each engine sets the attention it runs with
         if name == "previous":
             engines[name] = previous_engine_class(args.baseline)(model, tokenizer, max_batch_size=args.tasks, seed=0)
         elif name == "local":
@@ -159,12 +162,14 @@ def main() -> None:
             print(f"vLLM started in {time.perf_counter() - start:.1f} s")
         else:
             raise SystemExit(f"unknown engine {name!r}: previous, local or vllm")
+        attention[name] = model.config._attn_implementation
     rows = []
     for kind in args.kinds.split(","):
         prompts, tool_output, stop = workload(kind, args.tasks, fmt, tokenizer)
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, stop=tuple(stop))
         print(f"{kind}: first prompts {sum(map(len, prompts)) / len(prompts):.0f} tokens on average")
         for name, engine in engines.items():
+            model.config._attn_implementation = attention[name]
             bench(engine, prompts[:4], tool_output, fmt, params, 1)  # warm-up: kernels, allocations
             r = bench(engine, prompts, tool_output, fmt, params, args.turns)
             rows.append((kind, name, r))

@@ -13,6 +13,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from agent_r1.models import resolve_model_path
 from agent_r1.models.onednn import use_onednn
+from agent_r1.rollout.decode_attention import kernel_for
 from agent_r1.rollout.local_engine import LocalEngine
 
 # Property-based (fuzz) tests, the `*_fuzz.py` files. By default they run a fixed, derandomized set of
@@ -35,6 +36,14 @@ def _split_threads() -> None:
 
 
 _split_threads()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def decode_attention_kernel() -> None:
+    """Build the CPU decode-attention kernel before any test decodes: ~30 s once per machine, a fraction of
+    a second to load after. A build inside a test, or inside a server a test started, would count against
+    that test's timeouts. (tests/rollout/test_decode_attention.py checks that it builds.)"""
+    kernel_for(torch.float32, torch.device("cpu"))
 
 
 def examples(n: int) -> int:

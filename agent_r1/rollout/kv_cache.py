@@ -45,6 +45,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from agent_r1.rollout.decode_attention import kernel_for
+
 SLOT_ATTENTION = "agent_r1_slots"  # the attention implementation a LocalEngine's model runs with
 _ACTIVE: contextvars.ContextVar[SlotCache | None] = contextvars.ContextVar("agent_r1_slot_cache", default=None)
 
@@ -53,10 +55,11 @@ _ACTIVE: contextvars.ContextVar[SlotCache | None] = contextvars.ContextVar("agen
 class Segment:
     """Tokens [token, token + count) of a packed pass that attend as one SDPA call.
 
-    `decode`: one token per row, rows in slots slot .. slot + count - 1; otherwise `count` tokens of
-    the one sequence in `slot` (a prefill chunk). `cols` [count] are the tokens' columns (= positions
-    for the mask); the segment reads columns 0 .. width - 1 of its slots, width = max(cols) + 1 (a
-    sliding-window layer only those its window reaches: `blocks`).
+    `decode`: one token per row, rows in slots slot .. slot + count - 1, or in any slots (`slot_of`
+    [count]) for the CPU kernel (`decode_attention`), where each row reads only its own columns;
+    otherwise `count` tokens of the one sequence in `slot` (a prefill chunk). `cols` [count] are the
+    tokens' columns (= positions for the mask); the segment reads columns 0 .. width - 1 of its slots,
+    width = max(cols) + 1 (a sliding-window layer only those its window reaches: `blocks`).
     """
 
     token: int
@@ -66,7 +69,16 @@ class Segment:
     cols: torch.Tensor  # [count]
     width: int  # max(cols) + 1, the columns it reads (given from the host: no device read)
     lowest: int  # min(cols)
+    slot_of: torch.Tensor | None = None  # [count] each row's slot: the rows go to the CPU kernel
     _blocks: dict = field(default_factory=dict)
+
+    def bounds(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The columns [start, end) each decoding row reads in a layer with this window, for the kernel."""
+        if ("bounds", window) not in self._blocks:
+            end = self.cols + 1  # [count] its own column and those before
+            start = torch.zeros_like(end) if window is None else (end - window).clamp_(min=0)
+            self._blocks["bounds", window] = (start, end)
+        return self._blocks["bounds", window]
 
     def blocks(self, window: int | None) -> list[tuple[slice, slice, torch.Tensor | None]]:
         """How the segment attends in a layer with this window, one SDPA call a block: (its tokens in the
@@ -113,6 +125,15 @@ def slot_attention(
     q = query[0]  # [Hq, T, D]
     out = query.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, Hq, D]
     for seg in cache.segments:
+        if seg.slot_of is not None:  # every decoding row in one call of the CPU kernel
+            tokens = slice(seg.token, seg.token + seg.count)
+            grouped = q[:, tokens].transpose(0, 1).reshape(seg.count, key.shape[1], -1, q.shape[2]).contiguous()
+            o = torch.empty_like(grouped)  # [c, Hkv, G, D]
+            start, end = seg.bounds(window)
+            kernel = kernel_for(key.dtype, key.device)
+            kernel(grouped, key, value, seg.slot_of, start, end, scale or q.shape[2] ** -0.5, o)
+            out[tokens] = o.reshape(seg.count, -1, q.shape[2])
+            continue
         for tokens, cols, mask in seg.blocks(window):
             if seg.decode:  # each row reads its own slot, only up to the segment's longest row
                 rows = slice(seg.slot, seg.slot + seg.count)

@@ -85,6 +85,7 @@ from agent_r1.models.vision import (
     rope_index,
     rope_positions,
 )
+from agent_r1.rollout.decode_attention import kernel_for
 from agent_r1.rollout.engine import GenerateOutput, SamplingParams, alias_key, full_state_dict
 from agent_r1.rollout.kv_cache import Segment, SlotCache, use_slot_attention
 from agent_r1.types import Image
@@ -813,10 +814,15 @@ class LocalEngine:
         width = max(c + 1 for c in cols)
         self._fit(len(self._running), width)
         col_t = torch.tensor(cols, device=dev)  # [T]
-        segments = [
-            Segment(i, j - i, rows[i].slot, True, col_t[i:j], max(cols[i:j]) + 1, min(cols[i:j]))
-            for i, j in _row_runs(rows)
-        ]
+        r = len(rows)
+        if rows and kernel_for(cache.dtype, cache.device) is not None:  # every row in one call, its own columns
+            slot_t = torch.tensor(slots[:r], device=dev)
+            segments = [Segment(0, r, rows[0].slot, True, col_t[:r], max(cols[:r]) + 1, min(cols[:r]), slot_t)]
+        else:  # SDPA: runs of rows in consecutive slots, each read up to its longest row
+            segments = [
+                Segment(i, j - i, rows[i].slot, True, col_t[i:j], max(cols[i:j]) + 1, min(cols[i:j]))
+                for i, j in _row_runs(rows)
+            ]
         keep, t = list(range(len(rows))), len(rows)  # the tokens whose logits are needed
         for s, k in chunks:
             segments.append(Segment(t, k, s.slot, False, col_t[t : t + k], s.n + k, s.n))

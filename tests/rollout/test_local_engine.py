@@ -49,7 +49,16 @@ def test_left_padded_batch_equals_single_rows(engine, tokenizer):
         assert max(abs(x - y) for x, y in zip(b.logprobs, single.logprobs, strict=True)) < 1e-4
 
 
-def test_sampled_logprobs_match_a_plain_forward(engine, tiny_model, tokenizer):
+@pytest.fixture(params=["kernel", "sdpa"])
+def decode_path(request, monkeypatch):
+    """Decode attention through the CPU kernel (fp32 on the CPU) and through SDPA per segment (a GPU, bf16,
+    a machine where the kernel did not build)."""
+    if request.param == "sdpa":
+        monkeypatch.setattr(local_engine, "kernel_for", lambda dtype, device: None)
+    return request.param
+
+
+def test_sampled_logprobs_match_a_plain_forward(engine, tiny_model, tokenizer, decode_path):
     prompts = prompts_of(tokenizer)
     for temperature in (1.0, 0.7):
         outs = gen(engine, prompts, max_new_tokens=16, temperature=temperature)
@@ -543,7 +552,7 @@ def test_sliding_window_layers_see_only_their_window(tokenizer):
 
 
 @pytest.mark.parametrize("max_prefill_tokens, widest", [(5, 5 + 6 - 1), (1024, 2 * 6 - 1)])
-def test_sliding_window_layers_read_only_their_window(tokenizer, monkeypatch, max_prefill_tokens, widest):
+def test_sliding_window_layers_read_only_their_window(tokenizer, monkeypatch, max_prefill_tokens, widest, decode_path):
     """A sliding-window layer's attention reads only the columns its tokens can see, not the whole
     context. Every layer here slides over 6 columns, and a sequence grows to 25 tokens. Prefilled in
     5-token chunks, a call reads at most a chunk and the window of its first token (10 columns); prefilled
@@ -558,14 +567,24 @@ def test_sliding_window_layers_read_only_their_window(tokenizer, monkeypatch, ma
         widths.append(k.shape[2])  # [rows, Hkv, W, D]: the columns this call reads
         return sdpa(q, k, v, **kwargs)
 
+    bounds = kv_cache.Segment.bounds
+
+    def kernel_reads(self, window):  # the decode rows the kernel takes
+        start, end = bounds(self, window)
+        widths.append(int((end - start).max()))
+        return start, end
+
     monkeypatch.setattr(kv_cache.F, "scaled_dot_product_attention", recorded)
+    monkeypatch.setattr(kv_cache.Segment, "bounds", kernel_reads)
     engine = LocalEngine(model, tokenizer, seed=0, max_context=1024, max_prefill_tokens=max_prefill_tokens)
     engine.eos_ids = {-1}  # the sequence decodes all 12 tokens
     prompt = tokenizer.encode(SYSTEM)[:13]
     (out,) = gen(engine, [prompt], max_new_tokens=12, temperature=1.0)
-    monkeypatch.undo()
+    monkeypatch.setattr(kv_cache.F, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(kv_cache.Segment, "bounds", bounds)
     assert len(prompt) + len(out.token_ids) == 25
     assert widths and max(widths) == widest
+    assert widths[-1] == 6  # the last decode step: the window, of 24 columns
     assert_logprobs_match_a_plain_forward(model, [prompt], [out])
     prompts = [tokenizer.encode(SYSTEM)[:n] for n in (13, 7)]
     outs = gen(engine, prompts, max_new_tokens=12, temperature=1.0)

@@ -1,0 +1,75 @@
+"""The CPU decode-attention kernel (`decode_attention.cpp`): built on first use, SDPA where it cannot be.
+
+At decode each row has one query a head, so attention is bound by reading the row's keys and values.
+PyTorch's SDPA runs that as a batch of tiny GEMMs (~10 GB/s of fp32 keys on two cores) and needs rows of
+one width per call, so the engine cut the rows into segments (`local_engine._row_runs`). The kernel
+takes every decoding row of a pass in one call, each reading exactly its own columns, and reads a kv
+head's keys once for all the query heads that share it: 2.7x SDPA's speed at 64 rows of 630 columns
+(docs/benchmarks.md). It is the split of FlashDecoding (Dao et al. 2023) by sequence and head, the work
+vLLM's CPU paged-attention kernel does over pages.
+
+It is compiled for this CPU (`-march=native`) with the system's C++ compiler through
+`torch.utils.cpp_extension` (ninja), once per machine, into torch's extension cache
+(`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`); ~30 s the first time. The build's name
+carries a digest of the source and of the CPU's flags, so a home directory shared by unlike machines
+never loads a build made for another CPU. Where it cannot be built (no compiler, no OpenMP), or for a
+dtype or device it does not cover (fp32 on the CPU only), `kernel_for` says None and the engine runs
+SDPA per segment as before: the same results to rounding, slower.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("decode_attention.cpp")
+
+
+def kernel_for(dtype: torch.dtype | None, device: torch.device) -> Callable | None:
+    """The kernel for keys of this dtype on this device, or None where SDPA must do (see the module)."""
+    if dtype != torch.float32 or device.type != "cpu" or sys.platform == "win32":
+        return None
+    return _build()
+
+
+def _cpu_digest() -> str:
+    """A digest of what `-march=native` compiles for: the CPU's model and flags where Linux says them."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in info.splitlines() if ln.startswith(("flags", "model name", "Features"))][:2]
+    except OSError:
+        lines = []
+    return hashlib.sha256("\n".join([platform.machine(), platform.processor(), *lines]).encode()).hexdigest()[:12]
+
+
+@functools.cache
+def _build() -> Callable | None:
+    """Compile and load the kernel once per process (torch's cache skips the compile on later runs)."""
+    from torch.utils import cpp_extension
+
+    source = SOURCE.read_bytes()
+    name = f"agent_r1_decode_attention_{hashlib.sha256(source).hexdigest()[:8]}_{_cpu_digest()}"
+    try:
+        if not (Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so").exists():
+            print("agent-r1: compiling the CPU decode-attention kernel for this machine (once, ~30 s)", file=sys.stderr)
+        cpp_extension.load(
+            name,
+            [str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, no OpenMP: SDPA does the same work, slower
+        reason = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__
+        warnings.warn(
+            f"agent-r1's CPU decode-attention kernel did not build ({reason}); decode runs on SDPA", stacklevel=2
+        )
+        return None
+    return torch.ops.agent_r1.decode_attention

@@ -1,0 +1,71 @@
+"""The CPU decode-attention kernel: each row's attention over its own slot's columns, as SDPA computes it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils import cpp_extension
+
+from agent_r1.rollout import decode_attention
+from agent_r1.rollout.decode_attention import kernel_for
+from agent_r1.rollout.engine import SamplingParams
+from agent_r1.rollout.local_engine import LocalEngine
+from tests.conftest import recompute_logprobs
+
+
+def row_by_row(q, k, v, slots, starts, ends, scale):
+    """The reference: one SDPA call per row over exactly its columns [start, end) of its slot."""
+    out = torch.empty_like(q)  # [n, Hkv, G, D]
+    for i, (s, a, b) in enumerate(zip(slots.tolist(), starts.tolist(), ends.tolist(), strict=True)):
+        out[i] = F.scaled_dot_product_attention(q[i], k[s, :, a:b], v[s, :, a:b], scale=scale)  # [Hkv, G, D]
+    return out
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 6])  # query heads a kv head: the unrolled cases and the general one
+def test_each_row_attends_to_exactly_its_columns_of_its_slot(group):
+    """Rows in any slots, in any order, of unlike lengths, some through a window (start > 0): the kernel's
+    output is SDPA's on each row's own columns, to fp32 rounding."""
+    torch.manual_seed(group)
+    slots_n, heads, capacity, dim = 7, 2, 80, 64
+    k, v = torch.randn(2, slots_n, heads, capacity, dim)  # [slots, Hkv, capacity, D] each
+    slots = torch.tensor([5, 0, 3, 6, 1])
+    ends = torch.tensor([1, 77, 40, 13, 64])  # a row at column 0 reads one column
+    starts = torch.tensor([0, 60, 0, 9, 33])
+    q = torch.randn(len(slots), heads, group, dim)
+    out = torch.full_like(q, float("nan"))
+    kernel = kernel_for(torch.float32, torch.device("cpu"))
+    assert kernel is not None  # it builds wherever the tests run: a compiler comes with the machine
+    kernel(q, k, v, slots, starts, ends, 0.125, out)
+    assert (out - row_by_row(q, k, v, slots, starts, ends, 0.125)).abs().max().item() < 1e-5
+    assert (out[0] == v[5, :, 0, None]).all()  # one column: its value, whatever the score
+
+
+def test_it_covers_fp32_on_the_cpu_and_nothing_else():
+    assert kernel_for(torch.bfloat16, torch.device("cpu")) is None
+    assert kernel_for(torch.float32, torch.device("meta")) is None
+    assert kernel_for(None, torch.device("cpu")) is None  # a cache that holds nothing yet
+
+
+def test_a_kernel_that_cannot_build_warns_once_and_the_engine_decodes_on_sdpa(tiny_model, tokenizer, monkeypatch):
+    """No compiler (a laptop without one): one warning naming why, then SDPA per segment; the engine samples
+    the same tokens with the trainer's log-probs."""
+    prompts = [tokenizer.encode(t) for t in ("What is 12 * 34?", "Hi there", "Add 5 and 7")]
+    params = SamplingParams(max_new_tokens=12, temperature=1.0)
+    with_kernel = LocalEngine(tiny_model, tokenizer, seed=0).generate_batch(prompts, params, [1, 2, 3])
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension: c++: command not found")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    decode_attention._build.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="did not build .*c\\+\\+: command not found.*decode runs on SDPA"):
+            assert kernel_for(torch.float32, torch.device("cpu")) is None
+        without = LocalEngine(tiny_model, tokenizer, seed=0).generate_batch(prompts, params, [1, 2, 3])
+    finally:
+        decode_attention._build.cache_clear()  # the next caller loads the built kernel again
+    for p, a, b in zip(prompts, with_kernel, without, strict=True):
+        assert a.token_ids == b.token_ids
+        ref = recompute_logprobs(tiny_model, p + b.token_ids)[len(p) - 1 :]
+        assert (ref - torch.tensor(b.logprobs)).abs().max().item() < 1e-4
