@@ -4,9 +4,9 @@ At decode each row has one query a head, so attention is bound by reading the ro
 PyTorch's SDPA runs that as a batch of tiny GEMMs (~10 GB/s of fp32 keys on two cores) and needs rows of
 one width per call, so the engine cut the rows into segments (`local_engine._row_runs`). The kernel
 takes every decoding row of a pass in one call, each reading exactly its own columns, and reads a kv
-head's keys once for all the query heads that share it: 2.7x SDPA's speed at 64 rows of 630 columns
-(docs/benchmarks.md). It is the split of FlashDecoding (Dao et al. 2023) by sequence and head, the work
-vLLM's CPU paged-attention kernel does over pages.
+head's keys once for all the query heads that share it: 2-2.7x SDPA's speed at 64 rows of 64-1,000
+columns (`benchmarks/attention.py`, docs/benchmarks.md). It is the split of FlashDecoding (Dao et al.
+2023) by sequence and head, the work vLLM's CPU paged-attention kernel does over pages.
 
 It is compiled for this CPU (`-march=native`) with the system's C++ compiler through
 `torch.utils.cpp_extension` (ninja), once per machine, into torch's extension cache

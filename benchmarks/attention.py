@@ -1,0 +1,67 @@
+"""Decode attention on the CPU: PyTorch's SDPA against agent-r1's kernel (`rollout/decode_attention.cpp`).
+
+One layer of SmolLM2-135M's decode attention (3 kv heads of 3 query heads each, head_dim 64) for `--rows`
+rows over the same number of columns each, read from a slot buffer as the engine holds it
+([slots, kv heads, capacity, head_dim], fp32). SDPA gets its best case, rows of one length in one call
+(the engine's SDPA path cuts rows of unlike lengths into several calls); the kernel reads each row's own
+columns. Also printed: what reading the keys and values alone would take at this machine's memory
+bandwidth (a 256 MB sum), the floor for any kernel.
+
+    python benchmarks/attention.py [--rows 64] [--widths 64,256,630,1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from agent_r1.rollout.decode_attention import kernel_for
+
+
+def timed(fn, repeats: int = 20) -> float:
+    """Seconds per call, after three warm-up calls."""
+    for _ in range(3):
+        fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--widths", default="64,256,630,1000")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    widths = [int(w) for w in args.widths.split(",")]
+    rows, kv_heads, group, dim, capacity = args.rows, 3, 3, 64, max(widths)
+    kernel = kernel_for(torch.float32, torch.device("cpu"))
+    if kernel is None:
+        raise SystemExit("the decode-attention kernel did not build on this machine (see the warning above)")
+    big = torch.randn(64 * 2**20)  # 256 MB
+    bandwidth = big.nbytes / timed(big.sum, 5) / 1e9
+    print(f"{torch.get_num_threads()} torch threads; memory read {bandwidth:.0f} GB/s (a 256 MB sum)")
+    k, v = torch.randn(2, rows, kv_heads, capacity, dim)  # [slots, Hkv, capacity, D] each
+    slots = torch.arange(rows)
+    print("| columns | SDPA (one call) | kernel | speed-up | keys and values at memory speed | max difference |")
+    print("|---|---|---|---|---|---|")
+    for width in widths:
+        q = torch.randn(rows, kv_heads, group, dim)  # a kv head's query heads as queries of it
+        out = torch.empty_like(q)
+        starts, ends = torch.zeros(rows, dtype=torch.long), torch.full((rows,), width)
+        sdpa = timed(lambda: F.scaled_dot_product_attention(q, k[:, :, :width], v[:, :, :width]))  # noqa: B023
+        ours = timed(lambda: kernel(q, k, v, slots, starts, ends, dim**-0.5, out))  # noqa: B023
+        floor = 2 * rows * kv_heads * width * dim * 4 / (bandwidth * 1e9)
+        diff = (out - F.scaled_dot_product_attention(q, k[:, :, :width], v[:, :, :width])).abs().max().item()
+        print(
+            f"| {width} | {sdpa * 1e3:.2f} ms | {ours * 1e3:.2f} ms | {sdpa / ours:.1f}x | {floor * 1e3:.2f} ms | "
+            f"{diff:.1e} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
