@@ -51,6 +51,16 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k.stride(3) == 1 && v.stride(3) == 1,
               "decode_attention: q and out contiguous, keys and values with unit stride in head_dim");
   const int64_t n = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
+  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.size(1) == H && k.size(3) == D && out.sizes() == q.sizes(),
+              "decode_attention: q [n, H, G, D], k and v [slots, H, capacity, D], out like q");
+  for (const at::Tensor* t : {&slots, &starts, &ends})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == n,
+                "decode_attention: slots, starts and ends are n contiguous int64");
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = slots.data_ptr<int64_t>()[i], a = starts.data_ptr<int64_t>()[i], b = ends.data_ptr<int64_t>()[i];
+    TORCH_CHECK(0 <= s && s < k.size(0) && 0 <= a && a < b && b <= k.size(2),
+                "decode_attention: row ", i, " reads columns [", a, ", ", b, ") of slot ", s, ": outside the cache or empty");
+  }
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();

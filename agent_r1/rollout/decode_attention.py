@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +32,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
+STALE_LOCK_S = 600  # a build takes ~30 s: a lock this old was left by a build that was killed
 
 
 def kernel_for(dtype: torch.dtype | None, device: torch.device) -> Callable | None:
@@ -56,9 +59,20 @@ def _build() -> Callable | None:
 
     source = SOURCE.read_bytes()
     name = f"agent_r1_decode_attention_{hashlib.sha256(source).hexdigest()[:8]}_{_cpu_digest()}"
+    # `pip install ninja` puts it in the environment's bin, which is not on PATH when the venv's commands
+    # run without activating it (`make test`, `.venv/bin/agent-r1`); torch looks for it on PATH
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     try:
-        if not (Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so").exists():
+        build = Path(cpp_extension._get_build_directory(name, verbose=False))
+    except Exception:  # a torch that moved its private helper: build without the notice
+        build = None
+    if build is not None:
+        lock = build / "lock"  # a build killed midway leaves torch's lock, and every later load would wait on it
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
+        if not (build / f"{name}.so").exists():
             print("agent-r1: compiling the CPU decode-attention kernel for this machine (once, ~30 s)", file=sys.stderr)
+    try:
         cpp_extension.load(
             name,
             [str(SOURCE)],

@@ -132,7 +132,11 @@ def slot_attention(
             o = torch.empty_like(grouped)  # [c, Hkv, G, D]
             start, end = seg.bounds(window)
             kernel = kernel_for(key.dtype, key.device)
-            kernel(grouped, key, value, seg.slot_of, start, end, scale or q.shape[2] ** -0.5, o)
+            if kernel is not None:
+                kernel(grouped, key, value, seg.slot_of, start, end, scale or q.shape[2] ** -0.5, o)
+            else:  # the cache left fp32 after the pass chose the kernel (it takes the values' dtype): row by row
+                for j, (s, a, b) in enumerate(zip(seg.slot_of.tolist(), start.tolist(), end.tolist(), strict=True)):
+                    o[j] = F.scaled_dot_product_attention(grouped[j], key[s, :, a:b], value[s, :, a:b], scale=scale)
             out[tokens] = o.reshape(seg.count, -1, q.shape[2])
             continue
         for tokens, cols, mask in seg.blocks(window):

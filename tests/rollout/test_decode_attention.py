@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils import cpp_extension
 
-from agent_r1.rollout import decode_attention
+from agent_r1.rollout import decode_attention, kv_cache, local_engine
 from agent_r1.rollout.decode_attention import kernel_for
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
@@ -41,6 +41,18 @@ def test_each_row_attends_to_exactly_its_columns_of_its_slot(group):
     assert (out[0] == v[5, :, 0, None]).all()  # one column: its value, whatever the score
 
 
+@pytest.mark.parametrize(
+    "slot, start, end, says",
+    [(0, 3, 3, r"row 0 reads columns \[3, 3\) of slot 0"), (2, 0, 4, "of slot 2"), (1, 0, 9, r"\[0, 9\)")],
+)
+def test_bounds_outside_the_cache_or_empty_are_refused_not_read(slot, start, end, says):
+    k = v = torch.zeros(2, 1, 8, 4)  # 2 slots of 8 columns
+    q, out = torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4)
+    kernel = kernel_for(torch.float32, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match=says):
+        kernel(q, k, v, torch.tensor([slot]), torch.tensor([start]), torch.tensor([end]), 1.0, out)
+
+
 def test_it_covers_fp32_on_the_cpu_and_nothing_else():
     assert kernel_for(torch.bfloat16, torch.device("cpu")) is None
     assert kernel_for(torch.float32, torch.device("meta")) is None
@@ -69,3 +81,26 @@ def test_a_kernel_that_cannot_build_warns_once_and_the_engine_decodes_on_sdpa(ti
         assert a.token_ids == b.token_ids
         ref = recompute_logprobs(tiny_model, p + b.token_ids)[len(p) - 1 :]
         assert (ref - torch.tensor(b.logprobs)).abs().max().item() < 1e-4
+
+
+def test_a_pass_that_chose_the_kernel_attends_row_by_row_when_it_is_gone(tiny_model, tokenizer, monkeypatch):
+    """`_forward` chooses the kernel from the cache's dtype before the pass; were the keys then of another
+    dtype (the cache follows the values'), `slot_attention` finds no kernel and attends each row through
+    SDPA over the same columns, never calling None."""
+    monkeypatch.setattr(kv_cache, "kernel_for", lambda dtype, device: None)
+    prompts = [tokenizer.encode(t) for t in ("What is 12 * 34?", "Hi there", "Add 5 and 7")]
+    chosen = []
+    segment = local_engine.Segment
+
+    def recorded(*args):
+        chosen.append(len(args) == 8)  # built with slot_of: the kernel's segment
+        return segment(*args)
+
+    monkeypatch.setattr(local_engine, "Segment", recorded)
+    outs = LocalEngine(tiny_model, tokenizer, seed=0).generate_batch(
+        prompts, SamplingParams(max_new_tokens=12, temperature=1.0), [1, 2, 3]
+    )
+    assert any(chosen)
+    for p, o in zip(prompts, outs, strict=True):
+        ref = recompute_logprobs(tiny_model, p + o.token_ids)[len(p) - 1 :]
+        assert (ref - torch.tensor(o.logprobs)).abs().max().item() < 1e-4

@@ -53,9 +53,12 @@ def test_left_padded_batch_equals_single_rows(engine, tokenizer):
 def decode_path(request, monkeypatch):
     """Decode attention through the CPU kernel (fp32 on the CPU) and through SDPA per segment (a GPU, bf16,
     a machine where the kernel did not build)."""
+    calls, kernel_for = [], kv_cache.kernel_for
+    monkeypatch.setattr(kv_cache, "kernel_for", lambda dtype, device: calls.append(dtype) or kernel_for(dtype, device))
     if request.param == "sdpa":
         monkeypatch.setattr(local_engine, "kernel_for", lambda dtype, device: None)
-    return request.param
+    yield request.param
+    assert bool(calls) == (request.param == "kernel")  # the path under test is the one that ran
 
 
 def test_sampled_logprobs_match_a_plain_forward(engine, tiny_model, tokenizer, decode_path):
