@@ -56,18 +56,17 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   for (const at::Tensor* t : {&slots, &starts, &ends})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == n,
                 "decode_attention: slots, starts and ends are n contiguous int64");
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t s = slots.data_ptr<int64_t>()[i], a = starts.data_ptr<int64_t>()[i], b = ends.data_ptr<int64_t>()[i];
-    TORCH_CHECK(0 <= s && s < k.size(0) && 0 <= a && a < b && b <= k.size(2),
-                "decode_attention: row ", i, " reads columns [", a, ", ", b, ") of slot ", s, ": outside the cache or empty");
-  }
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* ap = starts.data_ptr<int64_t>();
+  const int64_t* bp = ends.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(0 <= sp[i] && sp[i] < k.size(0) && 0 <= ap[i] && ap[i] < bp[i] && bp[i] <= k.size(2),
+                "decode_attention: row ", i, " reads columns [", ap[i], ", ", bp[i], ") of slot ", sp[i],
+                ": outside the cache or empty");
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t* ap = starts.data_ptr<int64_t>();
-  const int64_t* bp = ends.data_ptr<int64_t>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
   const float sc = static_cast<float>(scale);
