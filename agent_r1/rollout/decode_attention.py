@@ -57,8 +57,8 @@ def _build() -> Callable | None:
     """Compile and load the kernel once per process (torch's cache skips the compile on later runs)."""
     from torch.utils import cpp_extension
 
-    source = SOURCE.read_bytes()
-    name = f"agent_r1_decode_attention_{hashlib.sha256(source).hexdigest()[:8]}_{_cpu_digest()}"
+    tag = SOURCE.read_bytes() + torch.__version__.encode()
+    name = f"agent_r1_decode_attention_{hashlib.sha256(tag).hexdigest()[:8]}_{_cpu_digest()}"
     # `pip install ninja` puts it in the environment's bin, which is not on PATH when the venv's commands
     # run without activating it (`make test`, `.venv/bin/agent-r1`); torch looks for it on PATH
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
@@ -67,11 +67,17 @@ def _build() -> Callable | None:
     except Exception:  # a torch that moved its private helper: build without the notice
         build = None
     if build is not None:
+        built = build / f"{name}.so"  # its name is of this source, torch and CPU: loaded without torch's lock,
+        if built.exists():  # which a process killed while holding it (a kill mid-rollout) would leave behind
+            try:
+                torch.ops.load_library(str(built))
+                return torch.ops.agent_r1.decode_attention
+            except Exception:  # a build cut short: build it again
+                built.unlink(missing_ok=True)
         lock = build / "lock"  # a build killed midway leaves torch's lock, and every later load would wait on it
         if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
             lock.unlink(missing_ok=True)
-        if not (build / f"{name}.so").exists():
-            print("agent-r1: compiling the CPU decode-attention kernel for this machine (once, ~30 s)", file=sys.stderr)
+        print("agent-r1: compiling the CPU decode-attention kernel for this machine (once, ~30 s)", file=sys.stderr)
     try:
         cpp_extension.load(
             name,

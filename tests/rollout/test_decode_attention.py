@@ -59,7 +59,7 @@ def test_it_covers_fp32_on_the_cpu_and_nothing_else():
     assert kernel_for(None, torch.device("cpu")) is None  # a cache that holds nothing yet
 
 
-def test_a_kernel_that_cannot_build_warns_once_and_the_engine_decodes_on_sdpa(tiny_model, tokenizer, monkeypatch):
+def test_a_kernel_that_cannot_build_warns_and_the_engine_decodes_on_sdpa(tiny_model, tokenizer, monkeypatch, tmp_path):
     """No compiler (a laptop without one): one warning naming why, then SDPA per segment; the engine samples
     the same tokens with the trainer's log-probs."""
     prompts = [tokenizer.encode(t) for t in ("What is 12 * 34?", "Hi there", "Add 5 and 7")]
@@ -70,6 +70,7 @@ def test_a_kernel_that_cannot_build_warns_once_and_the_engine_decodes_on_sdpa(ti
         raise RuntimeError("Error building extension: c++: command not found")
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))  # nothing built
     decode_attention._build.cache_clear()
     try:
         with pytest.warns(UserWarning, match="did not build .*c\\+\\+: command not found.*decode runs on SDPA"):
