@@ -13,8 +13,9 @@ its own), so each engine gets the same number of turns and a context that grows 
 Sampling is T = 1 with the tasks' stop strings and a per-request seed.
 
 "previous" is `LocalEngine` as it was at `--baseline` (default: the commit before continuous
-batching), loaded from git into a module of its own, so all engines run in one process on one model,
-and run as it ran then (without `TRANSFORMERS_SDPA_FORCE_GQA`, which `use_onednn` now sets).
+batching), loaded from git into a module of its own, so all engines run in one process on one model
+(each started just before its runs), and run as it ran then (without `TRANSFORMERS_SDPA_FORCE_GQA`,
+which `use_onednn` now sets).
 
     python benchmarks/engines.py [--engines previous,local,vllm] [--kinds calculator,search]
                                  [--tasks 64] [--turns 3] [--max-new-tokens 64] [--baseline REV]
@@ -44,6 +45,7 @@ from agent_r1.models.loading import is_chat_model, load_model, resolve_model_pat
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.tasks import calculator, hotpotqa
+from agent_r1.utils.malloc import engine_heap, fix_mmap_threshold
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = "53a1f39"  # the last commit with the batch-at-a-time engine
@@ -130,6 +132,22 @@ def bench(engine, prompts, tool_output, fmt, params, turns) -> dict:
     return r
 
 
+def start_engine(name: str, model, tokenizer, args: argparse.Namespace):
+    """The engine called `name` on the benchmark's model (vLLM loads its own copy of it)."""
+    if name == "previous":
+        return previous_engine_class(args.baseline)(model, tokenizer, max_batch_size=args.tasks, seed=0)
+    if name == "local":
+        return LocalEngine(model, tokenizer, max_batch_size=args.tasks, seed=0)
+    if name == "vllm":
+        from agent_r1.rollout.vllm_engine import VLLMEngine
+
+        start = time.perf_counter()
+        engine = VLLMEngine(resolve_model_path(args.model), seed=0, max_num_seqs=args.tasks)
+        print(f"vLLM started in {time.perf_counter() - start:.1f} s")
+        return engine
+    raise ValueError(name)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
@@ -140,40 +158,40 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--baseline", default=BASELINE, help="git revision of the previous engine")
     args = parser.parse_args()
+    if unknown := set(args.engines.split(",")) - {"previous", "local", "vllm"}:
+        raise SystemExit(f"unknown engine {sorted(unknown)[0]!r}: previous, local or vllm")
     torch.set_grad_enabled(False)
+    fix_mmap_threshold()  # the process as agent-r1's commands run (agent_r1/utils/malloc.py)
 
     model, tokenizer = load_model(args.model)
     fmt = prompt_format_for(tokenizer, chat=is_chat_model(args.model, tokenizer))
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}")
     print(f"model {args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, fp32")
     print(f"{args.tasks} trajectories at once x {args.turns} turns, <= {args.max_new_tokens} new tokens a turn, T=1")
-    engines, attention = {}, {}
-    for name in args.engines.split(","):
-        model.config._attn_implementation = "sdpa"  # each engine sets the attention it runs with
-        if name == "previous":
-            engines[name] = previous_engine_class(args.baseline)(model, tokenizer, max_batch_size=args.tasks, seed=0)
-        elif name == "local":
-            engines[name] = LocalEngine(model, tokenizer, max_batch_size=args.tasks, seed=0)
-        elif name == "vllm":
-            from agent_r1.rollout.vllm_engine import VLLMEngine
-
-            start = time.perf_counter()
-            engines[name] = VLLMEngine(resolve_model_path(args.model), seed=0, max_num_seqs=args.tasks)
-            print(f"vLLM started in {time.perf_counter() - start:.1f} s")
-        else:
-            raise SystemExit(f"unknown engine {name!r}: previous, local or vllm")
-        attention[name] = model.config._attn_implementation
-    rows = []
+    workloads = {}
     for kind in args.kinds.split(","):
         prompts, tool_output, stop = workload(kind, args.tasks, fmt, tokenizer)
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, stop=tuple(stop))
         print(f"{kind}: first prompts {sum(map(len, prompts)) / len(prompts):.0f} tokens on average")
-        for name, engine in engines.items():
-            model.config._attn_implementation = attention[name]
-            bench(engine, prompts[:4], tool_output, fmt, params, 1)  # warm-up: kernels, allocations
-            r = bench(engine, prompts, tool_output, fmt, params, args.turns)
+        workloads[kind] = prompts, tool_output, params
+    rows = []
+    # each engine is started just before its runs: a started vLLM slowed the local engine's passes ~15%
+    # in this process (the same 64-row workload: 52 s alone, 60 s beside it), so none waits beside another
+    for name in args.engines.split(","):
+        model.config._attn_implementation = "sdpa"  # each engine sets the attention it runs with
+        engine = start_engine(name, model, tokenizer, args)
+        # vLLM asks for tcmalloc, which keeps freed memory for reuse; the glibc heap held as for agent-r1's
+        # engine (which holds it itself) is the nearest thing in this process
+        for kind, (prompts, tool_output, params) in workloads.items():
+            with engine_heap() if name == "vllm" else contextlib.nullcontext():
+                bench(engine, prompts[:4], tool_output, fmt, params, 1)  # warm-up: kernels, allocations
+                r = bench(engine, prompts, tool_output, fmt, params, args.turns)
             rows.append((kind, name, r))
-            print(f"  {name:9} {r['seconds']:7.1f} s  {r['sampled'] / r['seconds']:6.1f} sampled tok/s", flush=True)
+            rate = r["sampled"] / r["seconds"]
+            print(f"  {kind:10} {name:9} {r['seconds']:7.1f} s  {rate:6.1f} sampled tok/s", flush=True)
+        if name == "vllm":
+            engine.shutdown()
+        del engine
     print("\n| task | engine | seconds | sampled tokens | sampled tok/s | turns/s | context | prefilled | reused |")
     print("|---|---|---|---|---|---|---|---|---|")
     for kind, name, r in rows:

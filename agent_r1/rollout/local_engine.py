@@ -89,6 +89,7 @@ from agent_r1.rollout.decode_attention import kernel_for
 from agent_r1.rollout.engine import GenerateOutput, SamplingParams, alias_key, full_state_dict
 from agent_r1.rollout.kv_cache import Segment, SlotCache, use_slot_attention
 from agent_r1.types import Image
+from agent_r1.utils.malloc import engine_heap
 
 TokenCallback = Callable[[int, int, float], None]  # (index of the prompt in its call, token id, log-prob)
 RowHook = Callable[[int, int, float], bool]  # (index of the prompt, token id, log-prob) -> keep decoding it
@@ -520,18 +521,20 @@ class LocalEngine:
     # --- the decode thread ----------------------------------------------------------------------
 
     def _work(self) -> None:
-        """Run decode steps while there are sequences; exit when idle (a new request starts it again)."""
+        """Run decode steps while there are sequences; exit when idle (a new request starts it again).
+        Its passes' tensors come from a heap kept for it (`engine_heap`: no page faults on every pass)."""
         time.sleep(self.batch_wait_s)  # let the other trajectories of a turn arrive and prefill together
-        while True:
-            with self._cond:
-                # a drain lets the running sequences finish first; a between-token pause stops here
-                if self._swapping or not (self._waiting or self._running) or (self._paused and not self._running):
-                    self._thread = None
-                    return
-            with self._weights_lock, autocast(self.model), torch.inference_mode():
-                self._step()
-                while self._running and not self._swapping:
+        with engine_heap():
+            while True:
+                with self._cond:
+                    # a drain lets the running sequences finish first; a between-token pause stops here
+                    if self._swapping or not (self._waiting or self._running) or (self._paused and not self._running):
+                        self._thread = None
+                        return
+                with self._weights_lock, autocast(self.model), torch.inference_mode():
                     self._step()
+                    while self._running and not self._swapping:
+                        self._step()
 
     def _step(self) -> None:
         """One forward pass: newcomers take slots, every decoding row feeds its last token and the rows

@@ -9,6 +9,11 @@ steps showed no slowdown, whole demo runs maybe 5-10% (docs/benchmarks.md). The 
 once at start-up; other allocators (musl, macOS) are left alone. `release_memory` hands back what a
 finished phase freed (the demo calls it between phases, the RL loop after its rollout, update and
 validation).
+
+The rollout engine is the exception (`engine_heap`): a decode step and a prompt chunk allocate and free
+the same 4-32 MB tensors every pass (a 2,048-token chunk's [2048, 1536] MLP states, 64 rows' logits),
+and as fresh mappings every page of each faults on its first write: 14 M page faults and 33 s of system
+time in a 128 s rollout (docs/benchmarks.md). While the engine runs, those stay in the heap.
 """
 
 from __future__ import annotations
@@ -20,16 +25,68 @@ import functools
 import gc
 import os
 import sys
+import threading
+from collections.abc import Iterator
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers
 THRESHOLD_BYTES = 4 << 20
+# where glibc's dynamic thresholds end up once a process has freed a 32 MB block (its maximum, and twice
+# that for the trim threshold): what a process that never fixed them returns to after an engine's run
+DYNAMIC_MMAP_MAX, DYNAMIC_TRIM_MAX = 32 << 20, 64 << 20
+DEFAULT_TRIM_BYTES = 128 << 10  # glibc's trim threshold, which fixing the mmap threshold leaves as it is
+# while an engine runs: its per-pass tensors (<= ~13 MB at 2,048-token chunks) from the heap, which keeps
+# up to this much free memory at its top before handing it back
+ENGINE_MMAP_BYTES, ENGINE_TRIM_BYTES = 32 << 20, 128 << 20
+
+_fixed: int | None = None  # the threshold `fix_mmap_threshold` set
+_engines = 0  # `engine_heap` contexts open
+_engines_lock = threading.Lock()
 
 
 def fix_mmap_threshold(threshold: int = THRESHOLD_BYTES) -> bool:
     """Set glibc's mmap threshold (which also stops its dynamic growth); True if it was set."""
+    global _fixed
+    if _mallopt(M_MMAP_THRESHOLD, threshold):
+        _fixed = threshold
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def engine_heap() -> Iterator[None]:
+    """While a rollout engine decodes: serve blocks up to `ENGINE_MMAP_BYTES` from glibc's heaps and keep
+    up to `ENGINE_TRIM_BYTES` free there, so the same per-pass tensors reuse the same resident pages.
+
+    Why: under the CLI's 4 MB mmap threshold each of a pass's larger tensors is a fresh mapping whose pages
+    fault on first write and go back to the OS when it is freed. In the search rollout of
+    `benchmarks/engines.py` that was 14 M page faults and 33 s of system time; the heap cut them to 2.7 M
+    and 7 s, and a 64-row decode of 400-token prompts ran 12-20% faster (docs/benchmarks.md). It is scoped
+    to the engine's decode thread because the trainer's update is where the demo's peak memory is, and
+    its activations of every size do fragment a heap (see the module). On leaving, the thresholds are
+    what they were (the CLI's fixed one; a process that never fixed them gets glibc's dynamic maxima) and
+    the freed pages go back to the OS (`trim_heap`). Nested and concurrent engines share one hold."""
+    global _engines
+    with _engines_lock:
+        _engines += 1
+        if _engines == 1:
+            _mallopt(M_MMAP_THRESHOLD, ENGINE_MMAP_BYTES)
+            _mallopt(M_TRIM_THRESHOLD, ENGINE_TRIM_BYTES)
+    try:
+        yield
+    finally:
+        with _engines_lock:
+            _engines -= 1
+            if _engines == 0:
+                _mallopt(M_MMAP_THRESHOLD, _fixed or DYNAMIC_MMAP_MAX)
+                _mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_BYTES if _fixed else DYNAMIC_TRIM_MAX)
+                trim_heap()
+
+
+def _mallopt(param: int, value: int) -> bool:
+    """glibc's `mallopt`; False where there is none (other C libraries)."""
     libc = _libc()
     try:
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold)) if libc else False
+        return bool(libc.mallopt(param, value)) if libc else False
     except AttributeError:  # not glibc
         return False
 

@@ -16,6 +16,7 @@ from agent_r1.models.precision import autocast, set_precision
 from agent_r1.rollout import kv_cache, local_engine
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
+from agent_r1.utils import malloc
 from tests.conftest import make_tiny_llama, recompute_logprobs
 
 
@@ -183,6 +184,19 @@ async def test_on_token_streams_every_sampled_token_in_order(engine, tokenizer):
     for i, out in enumerate(outs):
         assert [t for t, _ in seen[i]] == out.token_ids and [lp for _, lp in seen[i]] == out.logprobs
     assert [o.token_ids for o in outs] == [o.token_ids for o in await engine.generate(prompts, params)]
+
+
+def test_forward_passes_run_inside_the_engine_heap_and_leave_it_when_idle(engine, tiny_model, tokenizer):
+    """Every pass runs while the decode thread holds `engine_heap` (its tensors reuse heap pages); once
+    the engine is idle nothing holds it, so the update's allocations are the CLI's again."""
+    held = []
+    hook = tiny_model.register_forward_pre_hook(lambda module, args: held.append(malloc._engines))
+    try:
+        gen(engine, prompts_of(tokenizer)[:2], max_new_tokens=5, temperature=1.0)
+    finally:
+        hook.remove()
+    assert len(held) >= 5 and set(held) == {1}
+    assert engine.wait_idle() and malloc._engines == 0
 
 
 async def test_cancelled_caller_frees_its_row_at_the_next_step(engine, tokenizer, forwards):
@@ -621,6 +635,7 @@ from agent_r1.cli import exit_on_sigterm
 from agent_r1.models.loading import resolve_model_path
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
+from agent_r1.utils import malloc
 from tests.conftest import make_tiny_llama
 
 exit_on_sigterm()

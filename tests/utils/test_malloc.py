@@ -1,6 +1,7 @@
 """The glibc mmap-threshold fix: after it, an 8 MB block is mmapped even after a 24 MB block was freed;
 without it, glibc's dynamic threshold grows to 24 MB and serves the block from the fragmenting heap.
-Each case runs in a fresh interpreter, whose heap has no free space to serve the block from."""
+While an engine runs (`engine_heap`) such blocks come from the heap, and afterwards the threshold is
+what it was. Each case runs in a fresh interpreter, whose heap has no free space to serve the block from."""
 
 import platform
 import subprocess
@@ -40,6 +41,43 @@ def test_blocks_above_the_threshold_stay_mmapped_after_a_large_free():
         pytest.skip("mallinfo2 needs glibc >= 2.33")
     assert mmapped_blocks("default") == 0  # glibc's own behaviour: the heap grows for it
     assert mmapped_blocks("fix") == 1  # its own mapping, which free() returns to the OS
+
+
+HOLD = """
+import ctypes, sys
+from agent_r1.utils.malloc import engine_heap, fix_mmap_threshold
+names = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in names]
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.mallinfo2.restype = ctypes.c_void_p, MallInfo2
+def mapped(mb):  # is a new block of `mb` MB its own mapping (1) or from the heap (0)?
+    before = libc.mallinfo2().hblks
+    libc.malloc(mb << 20)
+    return libc.mallinfo2().hblks - before
+if sys.argv[1] == "fix":
+    fix_mmap_threshold()
+seen = [mapped(8)]
+with engine_heap():
+    with engine_heap():  # a second engine in the same process
+        seen.append(mapped(8))
+    seen.append(mapped(8))  # the first one still runs
+seen += [mapped(8), mapped(40)]
+print(*seen)
+"""
+
+
+@pytest.mark.skipif(not glibc, reason="glibc only")
+@pytest.mark.parametrize(("mode", "expected"), [("fix", [1, 0, 0, 1, 1]), ("default", [1, 0, 0, 0, 1])])
+def test_engine_heap_serves_blocks_from_the_heap_while_an_engine_runs_and_restores_the_threshold(mode, expected):
+    """In a fresh process an 8 MB block is mmapped (the first large block, under any threshold); while an
+    engine runs, 8 MB blocks come from the heap; afterwards the CLI's 4 MB threshold maps them again, and
+    a process that never fixed it is left with glibc's dynamic maximum, 32 MB (8 MB from the heap, 40 MB
+    mapped)."""
+    if tuple(map(int, platform.libc_ver()[1].split("."))) < (2, 33):
+        pytest.skip("mallinfo2 needs glibc >= 2.33")
+    out = subprocess.run([sys.executable, "-c", HOLD, mode], capture_output=True, text=True, check=True)
+    assert list(map(int, out.stdout.split())) == expected
 
 
 @pytest.mark.skipif(glibc, reason="other allocators are left alone")
