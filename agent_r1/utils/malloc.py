@@ -59,8 +59,8 @@ def engine_heap() -> Iterator[None]:
 
     Why: under the CLI's 4 MB mmap threshold each of a pass's larger tensors is a fresh mapping whose pages
     fault on first write and go back to the OS when it is freed. In the search rollout of
-    `benchmarks/engines.py` that was 14 M page faults and 33 s of system time; the heap cut them to 2.7 M
-    and 7 s, and a 64-row decode of 400-token prompts ran 12-20% faster (docs/benchmarks.md). It is scoped
+    `benchmarks/engines.py` that was 14 M page faults and 33 s of system time; the heap cut them to 2.9 M
+    and 8 s, and the rollout from 128 to 110 s (docs/benchmarks.md). It is scoped
     to the engine's decode thread because the trainer's update is where the demo's peak memory is, and
     its activations of every size do fragment a heap (see the module). On leaving, the thresholds are
     what they were (the CLI's fixed one; a process that never fixed them gets glibc's dynamic maxima) and
