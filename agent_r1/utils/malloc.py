@@ -64,7 +64,9 @@ def engine_heap() -> Iterator[None]:
     to the engine's decode thread because the trainer's update is where the demo's peak memory is, and
     its activations of every size do fragment a heap (see the module). On leaving, the thresholds are
     what they were (the CLI's fixed one; a process that never fixed them gets glibc's dynamic maxima) and
-    the freed pages go back to the OS (`trim_heap`). Nested and concurrent engines share one hold."""
+    the freed pages go back to the OS (`trim_heap`). Nested and concurrent engines share one hold. The
+    setting is the process's: in asynchronous RL the update, running beside the engine, allocates under it
+    too (its micro-batches still hand their freed pages back, `trim_heap`)."""
     global _engines
     with _engines_lock:
         _engines += 1
