@@ -106,6 +106,7 @@ print(before, _rss(), released)
 def test_release_memory_returns_freed_heap_blocks_and_cycles_to_the_os():
     out = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, check=True)
     before, after, released = map(int, out.stdout.split())
-    # 400 MB of freed heap blocks plus the 256 MB cycle: well over half a gigabyte goes back, and what
-    # release_memory reports is what the process measured, to a few pages (the interpreter's own)
-    assert before - after > 550e6 and abs(released - (before - after)) < 1 << 20
+    # the 256 MB cycle at least (glibc may already have trimmed some of the freed heap blocks at `del`:
+    # a CI run measured 275 MB back of 563 MB), and what release_memory reports is what the process
+    # measured, to a few pages (the interpreter's own)
+    assert before - after > 256e6 and abs(released - (before - after)) < 1 << 20
