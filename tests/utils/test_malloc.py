@@ -12,22 +12,33 @@ import pytest
 from agent_r1.utils.malloc import fix_mmap_threshold
 
 glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+needs_mallinfo2 = pytest.mark.skipif(
+    not glibc or tuple(map(int, platform.libc_ver()[1].split("."))) < (2, 33), reason="mallinfo2: glibc >= 2.33"
+)
 
-PROBE = """
+MALLINFO = """
 import ctypes, sys
-from agent_r1.utils.malloc import fix_mmap_threshold
+from agent_r1.utils.malloc import engine_heap, fix_mmap_threshold
 names = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in names]
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.free.argtypes, libc.mallinfo2.restype = ctypes.c_void_p, [ctypes.c_void_p], MallInfo2
+def mapped(mb):  # is a new block of `mb` MB its own mapping (1) or from the heap (0)?
+    before = libc.mallinfo2().hblks
+    libc.malloc(mb << 20)
+    return libc.mallinfo2().hblks - before
+"""
+
+PROBE = (
+    MALLINFO
+    + """
 if sys.argv[1] == "fix":
     assert fix_mmap_threshold()
 libc.free(libc.malloc(24 << 20))
-before = libc.mallinfo2().hblks
-libc.malloc(8 << 20)
-print(libc.mallinfo2().hblks - before)
+print(mapped(8))
 """
+)
 
 
 def mmapped_blocks(mode: str) -> int:
@@ -35,26 +46,15 @@ def mmapped_blocks(mode: str) -> int:
     return int(out.stdout)
 
 
-@pytest.mark.skipif(not glibc, reason="glibc only")
+@needs_mallinfo2
 def test_blocks_above_the_threshold_stay_mmapped_after_a_large_free():
-    if tuple(map(int, platform.libc_ver()[1].split("."))) < (2, 33):
-        pytest.skip("mallinfo2 needs glibc >= 2.33")
     assert mmapped_blocks("default") == 0  # glibc's own behaviour: the heap grows for it
     assert mmapped_blocks("fix") == 1  # its own mapping, which free() returns to the OS
 
 
-HOLD = """
-import ctypes, sys
-from agent_r1.utils.malloc import engine_heap, fix_mmap_threshold
-names = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in names]
-libc = ctypes.CDLL("libc.so.6")
-libc.malloc.restype, libc.mallinfo2.restype = ctypes.c_void_p, MallInfo2
-def mapped(mb):  # is a new block of `mb` MB its own mapping (1) or from the heap (0)?
-    before = libc.mallinfo2().hblks
-    libc.malloc(mb << 20)
-    return libc.mallinfo2().hblks - before
+HOLD = (
+    MALLINFO
+    + """
 if sys.argv[1] == "fix":
     fix_mmap_threshold()
 seen = [mapped(8)]
@@ -65,17 +65,16 @@ with engine_heap():
 seen += [mapped(8), mapped(40)]
 print(*seen)
 """
+)
 
 
-@pytest.mark.skipif(not glibc, reason="glibc only")
+@needs_mallinfo2
 @pytest.mark.parametrize(("mode", "expected"), [("fix", [1, 0, 0, 1, 1]), ("default", [1, 0, 0, 0, 1])])
 def test_engine_heap_serves_blocks_from_the_heap_while_an_engine_runs_and_restores_the_threshold(mode, expected):
     """In a fresh process an 8 MB block is mmapped (the first large block, under any threshold); while an
     engine runs, 8 MB blocks come from the heap; afterwards the CLI's 4 MB threshold maps them again, and
     a process that never fixed it is left with glibc's dynamic maximum, 32 MB (8 MB from the heap, 40 MB
     mapped)."""
-    if tuple(map(int, platform.libc_ver()[1].split("."))) < (2, 33):
-        pytest.skip("mallinfo2 needs glibc >= 2.33")
     out = subprocess.run([sys.executable, "-c", HOLD, mode], capture_output=True, text=True, check=True)
     assert list(map(int, out.stdout.split())) == expected
 
