@@ -17,9 +17,12 @@ Set `AGENT_R1_ONEDNN=0` to keep MKL.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import platform
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +51,41 @@ def onednn_available() -> bool:
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias with oneDNN: x [..., in], weight [out, in] (strided views are fine) -> [..., out]."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+# The weights this thread multiplies by in oneDNN's own layout, while it holds `packed_weights`:
+# module -> (the weight's version and address when packed, the packed weight).
+Packs = dict[nn.Module, tuple[tuple[int, int], torch.Tensor]]
+_PACKS: ContextVar[Packs | None] = ContextVar("agent_r1_packs", default=None)
+PACKED_ROWS = 64  # the rows oneDNN is told to expect when it chooses the packed layout (a decode step's)
+
+
+@contextlib.contextmanager
+def packed_weights(packs: Packs) -> Iterator[None]:
+    """While held, this thread's inference products of two rows or more multiply by weights kept in
+    oneDNN's blocked layout, in `packs` (the caller's: it decides how long the copies live).
+
+    Why: given a plain [out, in] weight, oneDNN reorders it into the layout its kernel reads on every
+    call. At 1,024 rows that copy is nothing beside the product; at a decode step's 64 rows it is
+    15-20% of the product's time (the weight is read and written once more than it is used). Here each
+    weight is reordered on its first product, and again only if it has changed since (its `_version`
+    or its storage moved; a weight made under `torch.inference_mode` has no version and stays plain). The copies take as much memory as the weights they copy. A one-row product
+    keeps the plain weight: oneDNN computes it with another kernel whose rounding differs; every product
+    of two rows and more is the same to the bit either way (tests/models/test_onednn.py)."""
+    token = _PACKS.set(packs)
+    try:
+        yield
+    finally:
+        _PACKS.reset(token)
+
+
+def _packed(module: nn.Module, weight: torch.Tensor, packs: Packs) -> torch.Tensor:
+    """`module`'s weight in oneDNN's layout, packed now if it was not or has changed since."""
+    key = (weight._version, weight.data_ptr())
+    entry = packs.get(module)
+    if entry is None or entry[0] != key:
+        entry = packs[module] = (key, torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_ROWS))
+    return entry[1]
 
 
 class _LinearFn(torch.autograd.Function):
@@ -84,6 +122,9 @@ class OneDNNLinear(nn.Linear):
             return F.linear(x, w, self.bias)
         if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
             return _LinearFn.apply(x, w, self.bias)
+        packs = _PACKS.get()
+        if packs is not None and x.numel() > x.shape[-1] and not w.is_inference():  # 2+ rows: the same to the bit
+            return _linear(x, _packed(self, w, packs), self.bias)
         return _linear(x, w, self.bias)
 
 

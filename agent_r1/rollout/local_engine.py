@@ -75,6 +75,7 @@ import psutil
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from agent_r1.models.onednn import Packs, packed_weights
 from agent_r1.models.precision import autocast, model_device
 from agent_r1.models.vision import (
     check_images,
@@ -305,6 +306,7 @@ class LocalEngine:
         self._parked: list[_Parked] = []  # any order
         self._index: dict[int, _Parked] = {}  # block hash of a token prefix -> a parked entry holding it
         self._clock = 0
+        self._packs: Packs = {}  # the weights in oneDNN's layout, kept until the KV memory is freed
         _ENGINES.add(self)
 
     # --- callers --------------------------------------------------------------------------------
@@ -424,8 +426,8 @@ class LocalEngine:
             self.sleep()
 
     def sleep(self) -> None:
-        """Free the KV memory (running sequences finish first): the trainer's update needs the memory,
-        and the kept keys are stale after it anyway. The next request allocates again."""
+        """Free the KV memory and the packed weights (running sequences finish first): the trainer's
+        update needs the memory, and the kept keys are stale after it anyway. The next request allocates again."""
         with self._paused_engine():
             self._release()
 
@@ -522,9 +524,10 @@ class LocalEngine:
 
     def _work(self) -> None:
         """Run decode steps while there are sequences; exit when idle (a new request starts it again).
-        Its passes' tensors come from a heap kept for it (`engine_heap`: no page faults on every pass)."""
+        Its passes' tensors come from a heap kept for it (`engine_heap`: no page faults on every pass), and
+        its products read weights kept in oneDNN's layout (`packed_weights`: not reordered on every pass)."""
         time.sleep(self.batch_wait_s)  # let the other trajectories of a turn arrive and prefill together
-        with engine_heap():
+        with engine_heap(), packed_weights(self._packs):
             while True:
                 with self._cond:
                     # a drain lets the running sequences finish first; a between-token pause stops here
@@ -920,8 +923,9 @@ class LocalEngine:
         self._release()
 
     def _release(self) -> None:
-        """No running or parked sequences, no KV memory."""
+        """No running or parked sequences, no KV memory, no packed weights."""
         self._drop_parked()
+        self._packs.clear()
         self._running, self._slot = [], []
         if self._cache is not None:
             self._cache.release()

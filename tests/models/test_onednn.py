@@ -13,11 +13,13 @@ from transformers import LlamaForCausalLM
 
 from agent_r1.models.lora import with_lora
 from agent_r1.models.onednn import (
+    _PACKS,
     ONEDNN_CACHE_ENTRIES,
     LeanRMSNorm,
     OneDNNLinear,
     RecomputedSwiGLU,
     onednn_available,
+    packed_weights,
     use_onednn,
 )
 from agent_r1.trainer.config import LoraConfig
@@ -58,6 +60,46 @@ def test_frozen_weight_gets_no_gradient_and_inference_needs_none():
     assert layer.weight.grad is None and x.grad is not None
     with torch.inference_mode():
         assert not layer(torch.randn(2, 8)).requires_grad
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(64, 576, 576), (2, 576, 1536), (300, 1536, 576), (3, 5, 96, 40)])
+def test_packed_weights_give_the_plain_products_to_the_bit(bias, shape):
+    """Under `packed_weights` a product of two rows or more multiplies by the weight in oneDNN's layout,
+    packed once and reused, with bitwise the same result; one row keeps the plain weight (another kernel,
+    other rounding); a weight changed in place is packed again; outside the context nothing is packed."""
+    *rows, d_in, d_out = shape
+    torch.manual_seed(0)
+    layer = nn.Linear(d_in, d_out, bias=bias)
+    use_onednn(layer)
+    x, one = torch.randn(*rows, d_in), torch.randn(1, d_in)
+    with torch.inference_mode():
+        plain, plain_one = layer(x), layer(one)
+        packs = {}
+        with packed_weights(packs):
+            assert torch.equal(layer(one), plain_one) and packs == {}  # one row: not packed
+            assert torch.equal(layer(x), plain) and torch.equal(layer(x), plain)
+            ((version, packed),) = packs.values()
+            assert packed.layout == torch._mkldnn and version == (layer.weight._version, layer.weight.data_ptr())
+            layer.weight.mul_(2)  # an update in place between passes
+            assert torch.equal(layer(x), _plain(layer, x))
+            assert packs[layer][1] is not packed
+            with torch.inference_mode(False):
+                layer.weight = nn.Parameter(layer.weight / 2)  # a new tensor, with its own version counter
+            assert torch.equal(layer(x), plain)
+            layer.weight = nn.Parameter(layer.weight.clone(), requires_grad=False)  # an inference tensor: no version
+            assert torch.equal(layer(x), plain) and packs[layer][0][1] != layer.weight.data_ptr()  # left plain
+        assert _PACKS.get() is None
+        assert torch.equal(layer(x), _plain(layer, x))
+
+
+def _plain(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The layer's product with its plain weight (no pack held)."""
+    token = _PACKS.set(None)
+    try:
+        return layer(x)
+    finally:
+        _PACKS.reset(token)
 
 
 def test_swap_keeps_weights_state_dict_and_deepcopy():

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from agent_r1.models.onednn import _PACKS, OneDNNLinear, onednn_available
 from agent_r1.models.precision import autocast, set_precision
 from agent_r1.rollout import kv_cache, local_engine
 from agent_r1.rollout.engine import SamplingParams
@@ -186,17 +187,31 @@ async def test_on_token_streams_every_sampled_token_in_order(engine, tokenizer):
     assert [o.token_ids for o in outs] == [o.token_ids for o in await engine.generate(prompts, params)]
 
 
-def test_forward_passes_run_inside_the_engine_heap_and_leave_it_when_idle(engine, tiny_model, tokenizer):
-    """Every pass runs while the decode thread holds `engine_heap` (its tensors reuse heap pages); once
-    the engine is idle nothing holds it, so the update's allocations are the CLI's again."""
-    held = []
-    hook = tiny_model.register_forward_pre_hook(lambda module, args: held.append(malloc._engines))
+def test_forward_passes_run_inside_the_engine_heap_and_packed_weights_and_leave_them_when_idle(
+    engine, tiny_model, tokenizer
+):
+    """Every pass runs while the decode thread holds `engine_heap` (its tensors reuse heap pages) and
+    `packed_weights` (its products read weights already in oneDNN's layout, the same to the bit); once
+    the engine is idle nothing holds them, so the update's allocations are the CLI's again and the
+    packed copies are freed."""
+    held, packs = [], []
+
+    def record(module, args) -> None:
+        held.append(malloc._engines)
+        packs.append(_PACKS.get())
+
+    hook = tiny_model.register_forward_pre_hook(record)
     try:
         gen(engine, prompts_of(tokenizer)[:2], max_new_tokens=5, temperature=1.0)
     finally:
         hook.remove()
     assert len(held) >= 5 and set(held) == {1}
+    assert all(p is packs[0] for p in packs)  # one set of packs for the thread's whole run
+    linears = [m for m in tiny_model.modules() if isinstance(m, OneDNNLinear)] if onednn_available() else []
+    assert set(packs[0]) == set(linears)  # every linear layer packed once (each pass had two rows)
     assert engine.wait_idle() and malloc._engines == 0
+    engine.sleep()
+    assert packs[0] == {}  # freed with the KV memory
 
 
 async def test_cancelled_caller_frees_its_row_at_the_next_step(engine, tokenizer, forwards):
@@ -434,7 +449,7 @@ def test_sleep_frees_the_kv_memory(engine, tokenizer):
 
     gen(engine, prompts_of(tokenizer), max_new_tokens=4, temperature=0.0)
     ptrs = {b.untyped_storage().data_ptr() for b in engine._cache.buf}  # each layer's buffer
-    tensors = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]
+    tensors = [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.layout == torch.strided]
     on_buffer = [weakref.ref(t) for t in tensors if t.untyped_storage().data_ptr() in ptrs]  # a buffer, any view
     del tensors
     engine.sleep()
