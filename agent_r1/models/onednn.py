@@ -69,9 +69,10 @@ def packed_weights(packs: Packs) -> Iterator[None]:
     call. At 1,024 rows that copy is nothing beside the product; at a decode step's 64 rows it is
     15-20% of the product's time (the weight is read and written once more than it is used). Here each
     weight is reordered on its first product, and again only if it has changed since (its `_version`
-    or its storage moved; a weight made under `torch.inference_mode` has no version and stays plain). The copies take as much memory as the weights they copy. A one-row product
-    keeps the plain weight: oneDNN computes it with another kernel whose rounding differs; every product
-    of two rows and more is the same to the bit either way (tests/models/test_onednn.py)."""
+    or its storage moved; a weight made under `torch.inference_mode` has no version and stays plain).
+    The copies take as much memory as the weights they copy. A one-row product keeps the plain weight:
+    oneDNN computes it with another kernel whose rounding differs; every product of two rows and more is
+    the same to the bit either way (tests/models/test_onednn.py)."""
     token = _PACKS.set(packs)
     try:
         yield

@@ -38,6 +38,7 @@ from agent_r1.env.base import Env
 from agent_r1.rollout.agent_loop import AgentEnvLoop
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.types import Termination, Trajectory
+from agent_r1.utils.openmp import release_openmp_workers
 
 
 class GroupRunner(Protocol):
@@ -162,6 +163,8 @@ class AsyncRollout:
 
     def _next_ready(self) -> Group:
         with self._cond:
+            if not self._ready:  # the trainer waits: its idle OpenMP workers would slow the engine (utils/openmp.py)
+                release_openmp_workers()
             self._cond.wait_for(lambda: self._ready or self._error is not None or not self._thread.is_alive())
             if not self._ready:
                 why = f": {type(self._error).__name__}: {self._error}" if self._error else ""

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -17,7 +18,7 @@ from agent_r1.models.precision import autocast, set_precision
 from agent_r1.rollout import kv_cache, local_engine
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
-from agent_r1.utils import malloc
+from agent_r1.utils import malloc, openmp
 from tests.conftest import make_tiny_llama, recompute_logprobs
 
 
@@ -212,6 +213,20 @@ def test_forward_passes_run_inside_the_engine_heap_and_packed_weights_and_leave_
     assert engine.wait_idle() and malloc._engines == 0
     engine.sleep()
     assert packs[0] == {}  # freed with the KV memory
+
+
+def test_the_waiting_caller_hands_back_its_openmp_workers(engine, tokenizer, monkeypatch):
+    """A caller's idle OpenMP team would make every decode step's parallel regions wait on sleeping
+    workers (utils/openmp.py); the thread that submits, and then waits, releases it."""
+    released = []
+
+    def release() -> bool:
+        released.append((threading.get_ident(), openmp.release_openmp_workers()))
+        return released[-1][1]
+
+    monkeypatch.setattr(local_engine, "release_openmp_workers", release)
+    gen(engine, prompts_of(tokenizer)[:2], max_new_tokens=3)
+    assert released == [(threading.get_ident(), openmp._libgomp() is not None)]
 
 
 async def test_cancelled_caller_frees_its_row_at_the_next_step(engine, tokenizer, forwards):

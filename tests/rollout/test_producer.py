@@ -4,12 +4,14 @@ left out, and the positions a checkpoint must re-run. A tiny model over 64 ids; 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
 
 from agent_r1.data.sampler import TaskSampler
 from agent_r1.env.base import StepResult
+from agent_r1.rollout import producer as producer_module
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.producer import AsyncRollout, EngineGroups, RolloutStalled
@@ -140,3 +142,15 @@ def test_an_engine_that_never_gets_the_weights_stops_the_run_instead_of_dropping
                 source.take()
     finally:
         source.close()
+
+
+def test_a_trainer_that_waits_for_groups_hands_back_its_openmp_workers(tokenizer, monkeypatch):
+    """While the trainer waits, its idle OpenMP team would slow every decode step (utils/openmp.py)."""
+    released = []
+    monkeypatch.setattr(producer_module, "release_openmp_workers", lambda: released.append(threading.get_ident()))
+    source, _ = producer(tokenizer, [{"ids": [10 + i, 50], "delay": 0.3} for i in range(4)], k=0, tps=1)
+    try:
+        source.take()  # nothing is ready for 0.3 s: the trainer waits
+    finally:
+        source.close()
+    assert released and set(released) == {threading.get_ident()}
