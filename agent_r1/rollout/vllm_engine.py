@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agent_r1.rollout.engine import GenerateOutput, SamplingParams, full_state_dict
+from agent_r1.utils.openmp import release_openmp_workers
 
 if TYPE_CHECKING:
     import torch
@@ -214,6 +215,7 @@ class VLLMEngine:
             seed = base + i if self._seed_requests else None
             vparams = self.sampling_params(params, seed, budget) if p and budget > 0 else None
             requests.append(_Request(f"r{next(self._ids)}", list(p), vparams, loop.create_future(), loop))
+        release_openmp_workers()  # this thread now waits: its idle OpenMP team would slow vLLM (utils/openmp.py)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the vLLM engine is shut down")

