@@ -5,8 +5,9 @@ MLP shape (576 -> 1536 for SmolLM2-135M) at 1024 rows (its peak) and at the batc
 decode side runs `--rows` distinct prompts of `--prompt-tokens` tokens through the engine for
 `--new-tokens` tokens each, EOS switched off so every row decodes to the end, and counts only the
 decode forward passes (`engine.stats["decode_s"]`; prefill and sampling excluded: the prompts are
-prefilled in one pass before any row decodes). `--baseline REV` runs `LocalEngine` as it was at git
-revision REV first, in the same process, on the same prompts.
+prefilled in one pass before any row decodes). The engine keeps its weights in oneDNN's layout, as
+`agent-r1 serve` runs it (`pack_weights=True`; the trainer's rollouts do not). `--baseline REV` runs
+`LocalEngine` as it was at git revision REV first, in the same process, on the same prompts.
 
 FLOPs per decoded token = 2 x (parameters of every matmul, the tied LM head included) + the attention
 over the context (4 x layers x hidden x context: scores and the weighted sum).
@@ -67,7 +68,8 @@ def main() -> None:
     context = sum(lengths) / len(lengths) + args.new_tokens / 2  # the average context a decoded token attends to
     engines = [("previous", previous_engine_class(args.baseline))] if args.baseline else []
     for name, cls in [*engines, ("current", LocalEngine)]:
-        kw = {} if name == "previous" else {"max_prefill_tokens": sum(lengths)}  # prefill, then decode only
+        # prefill, then decode only; the weights packed as `agent-r1 serve` keeps them
+        kw = {} if name == "previous" else {"max_prefill_tokens": sum(lengths), "pack_weights": True}
         model.config._attn_implementation = "sdpa"  # each engine sets its own slot attention
         engine = cls(model, tokenizer, max_batch_size=args.rows, seed=0, **kw)
         engine.eos_ids = {-1}  # every row decodes all its tokens

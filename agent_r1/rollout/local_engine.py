@@ -267,6 +267,7 @@ class LocalEngine:
         min_shared_prefix: int = 16,
         kv_cache_gb: float = 4.0,
         max_prefill_tokens: int = 2048,
+        pack_weights: bool = False,
     ) -> None:
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be at least 1, got {max_prefill_tokens}")
@@ -307,7 +308,9 @@ class LocalEngine:
         self._parked: list[_Parked] = []  # any order
         self._index: dict[int, _Parked] = {}  # block hash of a token prefix -> a parked entry holding it
         self._clock = 0
-        self._packs: Packs = {}  # the weights in oneDNN's layout, kept until the KV memory is freed
+        # the weights in oneDNN's layout, kept until the KV memory is freed; None: products read the plain
+        # weights (the default: the copies are as large as the weights, and took the demo over 4 GB)
+        self._packs: Packs | None = {} if pack_weights else None
         _ENGINES.add(self)
 
     # --- callers --------------------------------------------------------------------------------
@@ -529,9 +532,11 @@ class LocalEngine:
     def _work(self) -> None:
         """Run decode steps while there are sequences; exit when idle (a new request starts it again).
         Its passes' tensors come from a heap kept for it (`engine_heap`: no page faults on every pass), and
-        its products read weights kept in oneDNN's layout (`packed_weights`: not reordered on every pass)."""
+        with `pack_weights` its products read weights kept in oneDNN's layout (`packed_weights`: not
+        reordered on every pass; 13% less decode time at 64 rows, at the weights' size in memory)."""
         time.sleep(self.batch_wait_s)  # let the other trajectories of a turn arrive and prefill together
-        with engine_heap(), packed_weights(self._packs):
+        packs = packed_weights(self._packs) if self._packs is not None else contextlib.nullcontext()
+        with engine_heap(), packs:
             while True:
                 with self._cond:
                     # a drain lets the running sequences finish first; a between-token pause stops here
@@ -929,7 +934,8 @@ class LocalEngine:
     def _release(self) -> None:
         """No running or parked sequences, no KV memory, no packed weights."""
         self._drop_parked()
-        self._packs.clear()
+        if self._packs is not None:
+            self._packs.clear()
         self._running, self._slot = [], []
         if self._cache is not None:
             self._cache.release()

@@ -88,6 +88,7 @@ def run_serve(cfg: ServeConfig) -> None:
     engine = LocalEngine(
         model, tokenizer, max_batch_size=cfg.max_batch_size, max_context=cfg.max_context, seed=cfg.seed,
         batch_wait_s=cfg.batch_wait_ms / 1000, kv_cache_gb=cfg.kv_cache_gb, max_prefill_tokens=cfg.max_prefill_tokens,
+        pack_weights=True,  # a server holds no trainer: its memory can take the weights' oneDNN copies
     )  # fmt: skip
     served = ServedModel(
         engine, tokenizer, prompt_format_for(processor, chat, resolve_tool_format(cfg.tool_format, cfg.model)),

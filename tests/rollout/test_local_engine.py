@@ -188,13 +188,15 @@ async def test_on_token_streams_every_sampled_token_in_order(engine, tokenizer):
     assert [o.token_ids for o in outs] == [o.token_ids for o in await engine.generate(prompts, params)]
 
 
+@pytest.mark.parametrize("pack", [True, False])
 def test_forward_passes_run_inside_the_engine_heap_and_packed_weights_and_leave_them_when_idle(
-    engine, tiny_model, tokenizer
+    tiny_model, tokenizer, pack
 ):
-    """Every pass runs while the decode thread holds `engine_heap` (its tensors reuse heap pages) and
-    `packed_weights` (its products read weights already in oneDNN's layout, the same to the bit); once
-    the engine is idle nothing holds them, so the update's allocations are the CLI's again and the
-    packed copies are freed."""
+    """Every pass runs while the decode thread holds `engine_heap` (its tensors reuse heap pages) and,
+    with `pack_weights`, `packed_weights` (its products read weights already in oneDNN's layout, the
+    same to the bit); once the engine is idle nothing holds them, so the update's allocations are the
+    CLI's again, and `sleep` frees the packed copies. Without it (the default) no pass packs."""
+    engine = LocalEngine(tiny_model, tokenizer, seed=0, pack_weights=pack)
     held, packs = [], []
 
     def record(module, args) -> None:
@@ -203,13 +205,19 @@ def test_forward_passes_run_inside_the_engine_heap_and_packed_weights_and_leave_
 
     hook = tiny_model.register_forward_pre_hook(record)
     try:
-        gen(engine, prompts_of(tokenizer)[:2], max_new_tokens=5, temperature=1.0)
+        outs = gen(engine, prompts_of(tokenizer)[:2], max_new_tokens=5, temperature=1.0)
     finally:
         hook.remove()
     assert len(held) >= 5 and set(held) == {1}
+    if not pack:
+        assert set(packs) == {None}
+        return
     assert all(p is packs[0] for p in packs)  # one set of packs for the thread's whole run
     linears = [m for m in tiny_model.modules() if isinstance(m, OneDNNLinear)] if onednn_available() else []
     assert set(packs[0]) == set(linears)  # every linear layer packed once (each pass had two rows)
+    for p, o in zip(prompts_of(tokenizer)[:2], outs, strict=True):  # sampled from the packed weights
+        ref = recompute_logprobs(tiny_model, p + o.token_ids, 1.0)[len(p) - 1 :]
+        assert (ref - torch.tensor(o.logprobs)).abs().max().item() < 1e-4
     assert engine.wait_idle() and malloc._engines == 0
     engine.sleep()
     assert packs[0] == {}  # freed with the KV memory
