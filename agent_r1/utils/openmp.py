@@ -14,7 +14,8 @@ thread, back to 10.3-11.8 s after that thread released its team. The same happen
 `benchmarks/decode.py` measured its matmul ceiling, and in every rollout that followed an update.
 
 The decode thread exits when the engine goes idle, so its team never slows the trainer. The threads
-that submit requests release theirs (`LocalEngine._submit`): they only wait until the answer comes.
+that submit requests and then wait release theirs (`LocalEngine._submit`, `VLLMEngine.generate`), as
+does the asynchronous trainer when it must wait for groups (`AsyncRollout._next_ready`).
 """
 
 from __future__ import annotations
