@@ -5,9 +5,11 @@ rows over the same number of columns each, read from a slot buffer as the engine
 ([slots, kv heads, capacity, head_dim], fp32). SDPA gets its best case, rows of one length in one call
 (the engine's SDPA path cuts rows of unlike lengths into several calls); the kernel reads each row's own
 columns. Also printed: what reading the keys and values alone would take at this machine's memory
-bandwidth (a 256 MB sum), the floor for any kernel.
+bandwidth (a 256 MB sum), the floor for any kernel. `--kv-dtypes float32,float16,bfloat16` also times the
+kernel over keys and values stored in 16 bits (`LocalEngine(kv_cache_dtype=...)`, `agent-r1 serve`), each
+against SDPA over the same stored values widened to fp32.
 
-    python benchmarks/attention.py [--rows 64] [--widths 64,256,630,1000]
+    python benchmarks/attention.py [--rows 64] [--widths 64,256,630,1000] [--kv-dtypes float32]
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--widths", default="64,256,630,1000")
+    parser.add_argument("--kv-dtypes", default="float32", help="comma-separated: float32, float16, bfloat16")
     args = parser.parse_args()
     torch.manual_seed(0)
     widths = [int(w) for w in args.widths.split(",")]
+    dtypes = [getattr(torch, name) for name in args.kv_dtypes.split(",")]
     rows, kv_heads, group, dim, capacity = args.rows, 3, 3, 64, max(widths)
     kernel = kernel_for(torch.float32, torch.device("cpu"))
     if kernel is None:
@@ -45,23 +49,26 @@ def main() -> None:
     big = torch.randn(64 * 2**20)  # 256 MB
     bandwidth = big.nbytes / timed(big.sum, 5) / 1e9
     print(f"{torch.get_num_threads()} torch threads; memory read {bandwidth:.0f} GB/s (a 256 MB sum)")
-    k, v = torch.randn(2, rows, kv_heads, capacity, dim)  # [slots, Hkv, capacity, D] each
+    kv = torch.randn(2, rows, kv_heads, capacity, dim)  # keys, values [slots, Hkv, capacity, D] each
     slots = torch.arange(rows)
-    print("| columns | SDPA (one call) | kernel | speed-up | keys and values at memory speed | max difference |")
-    print("|---|---|---|---|---|---|")
+    print("| columns | keys and values | SDPA (fp32, one call) | kernel | speed-up | at memory speed | max difference |")
+    print("|---|---|---|---|---|---|---|")
     for width in widths:
         q = torch.randn(rows, kv_heads, group, dim)  # a kv head's query heads as queries of it
         out = torch.empty_like(q)
         starts, ends = torch.zeros(rows, dtype=torch.long), torch.full((rows,), width)
-        sdpa = timed(lambda: F.scaled_dot_product_attention(q, k[:, :, :width], v[:, :, :width]))  # noqa: B023
-        ours = timed(lambda: kernel(q, k, v, slots, starts, ends, dim**-0.5, out))  # noqa: B023
-        floor = 2 * rows * kv_heads * width * dim * 4 / (bandwidth * 1e9)
-        diff = (out - F.scaled_dot_product_attention(q, k[:, :, :width], v[:, :, :width])).abs().max().item()
-        print(
-            f"| {width} | {sdpa * 1e3:.2f} ms | {ours * 1e3:.2f} ms | {sdpa / ours:.1f}x | {floor * 1e3:.2f} ms | "
-            f"{diff:.1e} |"
-        )
-
+        k32, v32 = kv[0, :, :, :width], kv[1, :, :, :width]
+        sdpa = timed(lambda: F.scaled_dot_product_attention(q, k32, v32))  # noqa: B023
+        for dtype in dtypes:
+            k, v = kv.to(dtype)
+            ours = timed(lambda: kernel(q, k, v, slots, starts, ends, dim**-0.5, out))  # noqa: B023
+            floor = 2 * rows * kv_heads * width * dim * k.element_size() / (bandwidth * 1e9)
+            widened = k[:, :, :width].float(), v[:, :, :width].float()  # the stored values, as SDPA reads them
+            diff = (out - F.scaled_dot_product_attention(q, *widened)).abs().max().item()
+            print(
+                f"| {width} | {str(dtype)[6:]} | {sdpa * 1e3:.2f} ms | {ours * 1e3:.2f} ms | {sdpa / ours:.1f}x | "
+                f"{floor * 1e3:.2f} ms | {diff:.1e} |"
+            )
 
 if __name__ == "__main__":
     main()

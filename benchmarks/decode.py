@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--spread", type=int, default=0)
     parser.add_argument("--baseline", default=None, help="git revision of a previous LocalEngine to run first")
+    parser.add_argument("--kv-cache-dtype", default=None, help="the current engine's: float16 or bfloat16 (serve's)")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     model, tokenizer = load_model(args.model)
@@ -70,6 +71,8 @@ def main() -> None:
     for name, cls in [*engines, ("current", LocalEngine)]:
         # prefill, then decode only; the weights packed as `agent-r1 serve` keeps them
         kw = {} if name == "previous" else {"max_prefill_tokens": sum(lengths), "pack_weights": True}
+        if name == "current" and args.kv_cache_dtype:
+            kw["kv_cache_dtype"] = getattr(torch, args.kv_cache_dtype)
         model.config._attn_implementation = "sdpa"  # each engine sets its own slot attention
         engine = cls(model, tokenizer, max_batch_size=args.rows, seed=0, **kw)
         engine.eos_ids = {-1}  # every row decodes all its tokens

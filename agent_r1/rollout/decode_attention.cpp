@@ -11,27 +11,40 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
+// Keys and values may be stored in bf16 (`LocalEngine(kv_cache_dtype=torch.bfloat16)`): half the bytes to read, and
+// each element widened to fp32 in registers. Scores, softmax and sums are fp32 whatever the storage.
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) {  // bf16 is fp32's top half: a shift, which any compiler vectorizes
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 // scores p[g * W + w] = scale * q_g . k_w for the G query heads of one kv head, keys loaded once
-template <int G>
-void scores(const float* q, const float* k, int64_t k_stride, int64_t W, int64_t D, float scale, float* p) {
+template <int G, typename T>
+void scores(const float* q, const T* k, int64_t k_stride, int64_t W, int64_t D, float scale, float* p) {
   for (int64_t w = 0; w < W; ++w) {
-    const float* kw = k + w * k_stride;
+    const T* kw = k + w * k_stride;
     float acc[G];
     for (int g = 0; g < G; ++g) acc[g] = 0.f;
 #pragma omp simd reduction(+ : acc[:G])
     for (int64_t d = 0; d < D; ++d) {
-      const float kd = kw[d];
+      const float kd = widen(kw[d]);
       for (int g = 0; g < G; ++g) acc[g] += q[g * D + d] * kd;
     }
     for (int g = 0; g < G; ++g) p[g * W + w] = acc[g] * scale;
   }
 }
 
-void scores_any(int64_t G, const float* q, const float* k, int64_t ks, int64_t W, int64_t D, float sc, float* p) {
+template <typename T>
+void scores_any(int64_t G, const float* q, const T* k, int64_t ks, int64_t W, int64_t D, float sc, float* p) {
   switch (G) {
     case 1: return scores<1>(q, k, ks, W, D, sc, p);
     case 2: return scores<2>(q, k, ks, W, D, sc, p);
@@ -42,34 +55,17 @@ void scores_any(int64_t G, const float* q, const float* k, int64_t ks, int64_t W
   }
 }
 
-// q [n, H, G, D] contiguous; k, v [slots, H, capacity, D] (unit stride in D); slots, starts, ends [n] int64;
-// out [n, H, G, D] contiguous. Row i attends to columns starts[i] .. ends[i] - 1 of slot slots[i].
-void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
-                      const at::Tensor& starts, const at::Tensor& ends, double scale, const at::Tensor& out) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "decode_attention: float32 only");
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k.stride(3) == 1 && v.stride(3) == 1,
-              "decode_attention: q and out contiguous, keys and values with unit stride in head_dim");
+// The work of `decode_attention` for keys and values stored as T (checked by the caller).
+template <typename T>
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* sp, const int64_t* ap,
+            const int64_t* bp, float sc, const at::Tensor& out) {
   const int64_t n = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
-  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.size(1) == H && k.size(3) == D && out.sizes() == q.sizes(),
-              "decode_attention: q [n, H, G, D], k and v [slots, H, capacity, D], out like q");
-  for (const at::Tensor* t : {&slots, &starts, &ends})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == n,
-                "decode_attention: slots, starts and ends are n contiguous int64");
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t* ap = starts.data_ptr<int64_t>();
-  const int64_t* bp = ends.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(0 <= sp[i] && sp[i] < k.size(0) && 0 <= ap[i] && ap[i] < bp[i] && bp[i] <= k.size(2),
-                "decode_attention: row ", i, " reads columns [", ap[i], ", ", bp[i], ") of slot ", sp[i],
-                ": outside the cache or empty");
   const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
   float* op = out.data_ptr<float>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
-  const float sc = static_cast<float>(scale);
   at::parallel_for(0, n * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;  // [G, W] the scores, then the weights
     for (int64_t job = begin; job < end; ++job) {
@@ -92,18 +88,49 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       }
       float* o = op + job * G * D;  // the weighted sum of values, each value loaded once
       for (int64_t x = 0; x < G * D; ++x) o[x] = 0.f;
-      const float* vb = vp + s * vs0 + h * vs1 + a * vs2;
+      const T* vb = vp + s * vs0 + h * vs1 + a * vs2;
       for (int64_t w = 0; w < W; ++w) {
-        const float* vw = vb + w * vs2;
+        const T* vw = vb + w * vs2;
         for (int64_t g = 0; g < G; ++g) {
           const float pw = p[g * W + w];
           float* og = o + g * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) og[d] += pw * vw[d];
+          for (int64_t d = 0; d < D; ++d) og[d] += pw * widen(vw[d]);
         }
       }
     }
   });
+}
+
+// q [n, H, G, D] fp32 contiguous; k, v [slots, H, capacity, D] fp32 or bf16 (unit stride in D); slots,
+// starts, ends [n] int64; out [n, H, G, D] fp32 contiguous. Row i attends to columns starts[i] .. ends[i] - 1
+// of slot slots[i].
+void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+                      const at::Tensor& starts, const at::Tensor& ends, double scale, const at::Tensor& out) {
+  const auto kv = k.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && v.scalar_type() == kv &&
+                  (kv == at::kFloat || kv == at::kBFloat16),
+              "decode_attention: q and out float32, keys and values float32 or bfloat16 alike");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k.stride(3) == 1 && v.stride(3) == 1,
+              "decode_attention: q and out contiguous, keys and values with unit stride in head_dim");
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(3);
+  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.size(1) == H && k.size(3) == D && out.sizes() == q.sizes(),
+              "decode_attention: q [n, H, G, D], k and v [slots, H, capacity, D], out like q");
+  for (const at::Tensor* t : {&slots, &starts, &ends})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == n,
+                "decode_attention: slots, starts and ends are n contiguous int64");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* ap = starts.data_ptr<int64_t>();
+  const int64_t* bp = ends.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(0 <= sp[i] && sp[i] < k.size(0) && 0 <= ap[i] && ap[i] < bp[i] && bp[i] <= k.size(2),
+                "decode_attention: row ", i, " reads columns [", ap[i], ", ", bp[i], ") of slot ", sp[i],
+                ": outside the cache or empty");
+  const float sc = static_cast<float>(scale);
+  if (kv == at::kBFloat16)
+    attend<c10::BFloat16>(q, k, v, sp, ap, bp, sc, out);
+  else
+    attend<float>(q, k, v, sp, ap, bp, sc, out);
 }
 
 }  // namespace

@@ -35,9 +35,12 @@ SOURCE = Path(__file__).with_name("decode_attention.cpp")
 STALE_LOCK_S = 600  # a build takes ~30 s: a lock this old was left by a build that was killed
 
 
+KV_DTYPES = (torch.float32, torch.bfloat16)  # the keys and values the kernel reads (fp32 queries)
+
+
 def kernel_for(dtype: torch.dtype | None, device: torch.device) -> Callable | None:
     """The kernel for keys of this dtype on this device, or None where SDPA must do (see the module)."""
-    if dtype != torch.float32 or device.type != "cpu" or sys.platform == "win32":
+    if dtype not in KV_DTYPES or device.type != "cpu" or sys.platform == "win32":
         return None
     return _build()
 

@@ -131,12 +131,13 @@ def slot_attention(
             grouped = q[:, tokens].transpose(0, 1).reshape(seg.count, key.shape[1], -1, q.shape[2]).contiguous()
             o = torch.empty_like(grouped)  # [c, Hkv, G, D]
             start, end = seg.bounds(window)
-            kernel = kernel_for(key.dtype, key.device)
+            kernel = kernel_for(key.dtype, key.device) if q.dtype == torch.float32 else None
             if kernel is not None:
                 kernel(grouped, key, value, seg.slot_of, start, end, scale or q.shape[2] ** -0.5, o)
-            else:  # the cache left fp32 after the pass chose the kernel (it takes the values' dtype): row by row
+            else:  # the cache's dtype changed after the pass chose the kernel: row by row
                 for j, (s, a, b) in enumerate(zip(seg.slot_of.tolist(), start.tolist(), end.tolist(), strict=True)):
-                    o[j] = F.scaled_dot_product_attention(grouped[j], key[s, :, a:b], value[s, :, a:b], scale=scale)
+                    k, v = key[s, :, a:b].to(q.dtype), value[s, :, a:b].to(q.dtype)
+                    o[j] = F.scaled_dot_product_attention(grouped[j], k, v, scale=scale)
             out[tokens] = o.reshape(seg.count, -1, q.shape[2])
             continue
         for tokens, cols, mask in seg.blocks(window):
@@ -146,7 +147,7 @@ def slot_attention(
                 grouped = q[:, tokens].transpose(0, 1).reshape(seg.count, key.shape[1], -1, q.shape[2])
                 # grouped: [c, Hkv, G, D]
                 o = F.scaled_dot_product_attention(
-                    grouped, key[rows, :, cols], value[rows, :, cols],  # [c, Hkv, W, D]
+                    grouped, key[rows, :, cols].to(q.dtype), value[rows, :, cols].to(q.dtype),  # [c, Hkv, W, D]
                     attn_mask=mask, scale=scale,
                 )  # fmt: skip
                 out[tokens] = o.reshape(seg.count, -1, q.shape[2])  # [c, Hq, D]
@@ -154,7 +155,7 @@ def slot_attention(
                 row = slice(seg.slot, seg.slot + 1)
                 o = F.scaled_dot_product_attention(
                     q[None, :, tokens],  # [1, Hq, k, D]
-                    key[row, :, cols], value[row, :, cols],  # [1, Hkv, W, D]
+                    key[row, :, cols].to(q.dtype), value[row, :, cols].to(q.dtype),  # [1, Hkv, W, D]
                     attn_mask=mask, is_causal=mask is None and tokens.stop - tokens.start > 1, scale=scale,
                     enable_gqa=True,
                 )  # fmt: skip
@@ -181,11 +182,17 @@ def use_slot_attention(model: PreTrainedModel) -> None:
 class SlotCache(Cache):
     """KV memory for up to `slots` sequences of up to `capacity` tokens each, grown on demand."""
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, device: torch.device | str) -> None:
+    def __init__(
+        self, num_layers: int, kv_heads: int, head_dim: int, device: torch.device | str, dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__(layers=[_SlotLayer(self, i) for i in range(num_layers)])
         self.kv_heads, self.head_dim, self.device = kv_heads, head_dim, torch.device(device)
         self.buf: list[torch.Tensor] | None = None  # per layer [2, slots, kv_heads, capacity, head_dim]
-        self.dtype: torch.dtype | None = None  # that of the values the model computes (set by the first forward)
+        # what keys and values are stored as: `dtype` if given (16 bits for an fp32 model: half the memory
+        # and half the bytes each decode step reads), else that of the values the model computes (set by
+        # the first forward)
+        self.storage = dtype
+        self.dtype: torch.dtype | None = dtype
         self.clean = 0  # columns 0..clean-1 of every slot hold finite values
         # set by `packed` for one forward pass:
         self.slot_of: torch.Tensor | None = None  # [T] the slot of each token
@@ -299,12 +306,13 @@ class _SlotLayer(CacheLayerMixin):
             raise RuntimeError("a SlotCache is only read inside SlotCache.packed (with slot attention)")
         # Under bf16 autocast the values are bf16 but the keys fp32 (RoPE's fp32 cos and sin promote
         # them); SDPA rounds both to bf16 anyway, so the keys are stored in the values' dtype.
-        if c.buf is None or value_states.dtype != c.dtype:
-            c.reserve(c.slots, c.capacity, value_states.dtype)
+        dtype = c.storage or value_states.dtype
+        if c.buf is None or dtype != c.dtype:
+            c.reserve(c.slots, c.capacity, dtype)
         c.read_up_to(c.width)
         layer = c.buf[self.index]  # [2, slots, H, capacity, D]
-        layer[0][c.slot_of, :, c.cols] = key_states[0].transpose(0, 1).to(c.dtype)  # [T, H, D]
-        layer[1][c.slot_of, :, c.cols] = value_states[0].transpose(0, 1)
+        layer[0][c.slot_of, :, c.cols] = key_states[0].transpose(0, 1).to(dtype)  # [T, H, D]
+        layer[1][c.slot_of, :, c.cols] = value_states[0].transpose(0, 1).to(dtype)
         return layer[0], layer[1]  # not kept on the layer: a view would keep the buffer alive after `release`
 
     def get_seq_length(self) -> int:

@@ -268,9 +268,12 @@ class LocalEngine:
         kv_cache_gb: float = 4.0,
         max_prefill_tokens: int = 2048,
         pack_weights: bool = False,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be at least 1, got {max_prefill_tokens}")
+        if kv_cache_dtype not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(f"kv_cache_dtype must be None, torch.float32 or torch.bfloat16, got {kv_cache_dtype}")
         use_slot_attention(model)  # packed passes attend per sequence over the slots (kv_cache.py)
         self.model = model
         self.tokenizer = tokenizer
@@ -311,6 +314,10 @@ class LocalEngine:
         # the weights in oneDNN's layout, kept until the KV memory is freed; None: products read the plain
         # weights (the default: the copies are as large as the weights, and took the demo over 4 GB)
         self._packs: Packs | None = {} if pack_weights else None
+        # keys and values stored in bf16 (None: the model's dtype): half the KV memory and half the bytes
+        # a decode step's attention reads, but sampled log-probs no longer match the trainer's forward
+        # to fp32 rounding; for serving, never for training rollouts
+        self.kv_cache_dtype = kv_cache_dtype
         _ENGINES.add(self)
 
     # --- callers --------------------------------------------------------------------------------
@@ -616,7 +623,9 @@ class LocalEngine:
             heads = cfg.num_attention_heads
             head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
             kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-            self._cache = SlotCache(cfg.num_hidden_layers, kv_heads, head_dim, model_device(self.model))
+            self._cache = SlotCache(
+                cfg.num_hidden_layers, kv_heads, head_dim, model_device(self.model), self.kv_cache_dtype
+            )
         return self._cache
 
     # --- slots ----------------------------------------------------------------------------------
@@ -830,7 +839,8 @@ class LocalEngine:
         self._fit(len(self._running), width)
         col_t = torch.tensor(cols, device=dev)  # [T]
         r = len(rows)
-        if rows and kernel_for(cache.dtype, cache.device) is not None:  # every row in one call, its own columns
+        # every row in one call, its own columns (fp32 compute: under bf16 autocast SDPA rounds as the trainer's)
+        if rows and kernel_for(cache.dtype, cache.device) is not None and not torch.is_autocast_enabled(dev.type):
             slot_t = torch.tensor(slots[:r], device=dev)
             segments = [Segment(0, r, rows[0].slot, True, col_t[:r], max(cols[:r]) + 1, min(cols[:r]), slot_t)]
         else:  # SDPA: runs of rows in consecutive slots, each read up to its longest row

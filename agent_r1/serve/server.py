@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import torch
 import uvicorn
 
 from agent_r1.env.prompt_format import prompt_format_for
@@ -45,6 +46,9 @@ class ServeConfig:
     kv_cache_gb: float = 4.0
     """KV memory for running requests and for finished ones kept for a continuation (evicted first);
     requests wait for room rather than exceed it; at most half the memory free at start-up"""
+    kv_cache_dtype: Literal["auto", "bf16"] = "auto"
+    """keys and values as the model computes them (auto), or in bf16: twice the tokens in kv_cache_gb and
+    fewer bytes for each decode step to read, at bf16's rounding of them (vLLM's kv_cache_dtype)"""
     max_prefill_tokens: int = 2048
     """prompt tokens one forward pass prefills beside the decoding rows (chunked prefill): lower keeps the
     answers already streaming smooth while a burst arrives, higher prefills the burst sooner"""
@@ -89,6 +93,7 @@ def run_serve(cfg: ServeConfig) -> None:
         model, tokenizer, max_batch_size=cfg.max_batch_size, max_context=cfg.max_context, seed=cfg.seed,
         batch_wait_s=cfg.batch_wait_ms / 1000, kv_cache_gb=cfg.kv_cache_gb, max_prefill_tokens=cfg.max_prefill_tokens,
         pack_weights=True,  # a server holds no trainer: its memory can take the weights' oneDNN copies
+        kv_cache_dtype=torch.bfloat16 if cfg.kv_cache_dtype == "bf16" else None,
     )  # fmt: skip
     served = ServedModel(
         engine, tokenizer, prompt_format_for(processor, chat, resolve_tool_format(cfg.tool_format, cfg.model)),

@@ -53,8 +53,23 @@ def test_bounds_outside_the_cache_or_empty_are_refused_not_read(slot, start, end
         kernel(q, k, v, torch.tensor([slot]), torch.tensor([start]), torch.tensor([end]), 1.0, out)
 
 
-def test_it_covers_fp32_on_the_cpu_and_nothing_else():
-    assert kernel_for(torch.bfloat16, torch.device("cpu")) is None
+def test_over_bf16_keys_and_values_it_is_sdpa_over_them_widened():
+    """A bf16 KV cache (`kv_cache_dtype`): the kernel widens each stored key and value to fp32 as it reads
+    them, so its output is SDPA's over the same bf16 values in fp32, to fp32 rounding."""
+    torch.manual_seed(0)
+    k, v = torch.randn(2, 4, 3, 50, 64).to(torch.bfloat16)  # [slots, Hkv, capacity, D] each
+    slots, starts, ends = torch.tensor([2, 0, 3]), torch.tensor([0, 5, 0]), torch.tensor([50, 31, 1])
+    q = torch.randn(3, 3, 3, 64)
+    out = torch.empty_like(q)
+    kernel_for(torch.bfloat16, torch.device("cpu"))(q, k, v, slots, starts, ends, 0.125, out)
+    assert (out - row_by_row(q, k.float(), v.float(), slots, starts, ends, 0.125)).abs().max().item() < 1e-5
+    with pytest.raises(RuntimeError, match="keys and values float32 or bfloat16 alike"):
+        kernel_for(torch.float32, torch.device("cpu"))(q, k, v.float(), slots, starts, ends, 0.125, out)
+
+
+def test_it_covers_fp32_and_bf16_keys_on_the_cpu_and_nothing_else():
+    assert kernel_for(torch.bfloat16, torch.device("cpu")) is not None
+    assert kernel_for(torch.float16, torch.device("cpu")) is None
     assert kernel_for(torch.float32, torch.device("meta")) is None
     assert kernel_for(None, torch.device("cpu")) is None  # a cache that holds nothing yet
 

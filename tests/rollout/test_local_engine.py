@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from agent_r1.models.onednn import _PACKS, OneDNNLinear, onednn_available
 from agent_r1.models.precision import autocast, set_precision
@@ -90,6 +93,47 @@ def test_under_bf16_autocast_the_engine_samples_with_the_trainers_logprobs(token
              for p, o in zip(prompts, outs, strict=True)]
         ).abs()  # fmt: skip
     assert all(len(o.token_ids) == 16 for o in outs) and float(drift.mean()) < 0.02
+
+
+def bf16_kv_attention(module, query, key, value, *args, **kwargs):
+    """SDPA over keys and values rounded to bf16 and back: the reference for a cache that stores them so."""
+    key, value = key.to(torch.bfloat16).float(), value.to(torch.bfloat16).float()
+    return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+
+AttentionInterface.register("bf16_kv_reference", bf16_kv_attention)
+AttentionMaskInterface.register("bf16_kv_reference", sdpa_mask)
+
+
+def test_a_bf16_kv_cache_samples_with_the_logprobs_of_a_forward_over_rounded_keys(tiny_model, tokenizer, decode_path):
+    """`kv_cache_dtype=torch.bfloat16` (`agent-r1 serve kv_cache_dtype=bf16`): keys and values are stored in
+    bf16, half the bytes a token, and read back widened to fp32 by the kernel or for SDPA. The sampled
+    log-probs are those of a plain fp32 forward whose attention reads the same keys and values rounded to
+    bf16, to fp32 rounding; an fp32 forward over exact keys differs by more."""
+    engine = LocalEngine(tiny_model, tokenizer, seed=0, kv_cache_dtype=torch.bfloat16)
+    prompts = prompts_of(tokenizer)
+    outs = gen(engine, prompts, max_new_tokens=16, temperature=1.0)
+    cache = engine._cache
+    assert cache.dtype == torch.bfloat16 and all(b.dtype == torch.bfloat16 for b in cache.buf)
+    assert cache.bytes_per_token() == cache.bytes_per_token(torch.float32) // 2
+    config = tiny_model.config
+    exact = torch.cat([recompute_logprobs(tiny_model, p + o.token_ids)[len(p) - 1 :] for p, o in zip(prompts, outs)])
+    kept, config._attn_implementation = config._attn_implementation, "bf16_kv_reference"
+    try:
+        rounded = torch.cat(
+            [recompute_logprobs(tiny_model, p + o.token_ids)[len(p) - 1 :] for p, o in zip(prompts, outs)]
+        )
+    finally:
+        config._attn_implementation = kept
+    sampled = torch.tensor([lp for o in outs for lp in o.logprobs])
+    assert all(len(o.token_ids) == 16 for o in outs)
+    assert (rounded - sampled).abs().max().item() < 1e-4
+    assert (exact - sampled).abs().max().item() > 1e-4  # the rounding is there to see
+
+
+def test_a_kv_cache_dtype_the_engine_cannot_store_is_refused(tiny_model, tokenizer):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be None, torch.float32 or torch.bfloat16, got torch.int8"):
+        LocalEngine(tiny_model, tokenizer, kv_cache_dtype=torch.int8)
 
 
 def test_sampled_logprobs_are_as_exact_as_the_trainers_over_a_real_vocabulary():
