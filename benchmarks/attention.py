@@ -51,7 +51,7 @@ def main() -> None:
     print(f"{torch.get_num_threads()} torch threads; memory read {bandwidth:.0f} GB/s (a 256 MB sum)")
     kv = torch.randn(2, rows, kv_heads, capacity, dim)  # keys, values [slots, Hkv, capacity, D] each
     slots = torch.arange(rows)
-    print("| columns | keys and values | SDPA (fp32, one call) | kernel | speed-up | at memory speed | max difference |")
+    print("| columns | keys, values | SDPA (fp32, one call) | kernel | speed-up | at memory speed | max difference |")
     print("|---|---|---|---|---|---|---|")
     for width in widths:
         q = torch.randn(rows, kv_heads, group, dim)  # a kv head's query heads as queries of it
@@ -69,6 +69,7 @@ def main() -> None:
                 f"| {width} | {str(dtype)[6:]} | {sdpa * 1e3:.2f} ms | {ours * 1e3:.2f} ms | {sdpa / ours:.1f}x | "
                 f"{floor * 1e3:.2f} ms | {diff:.1e} |"
             )
+
 
 if __name__ == "__main__":
     main()

@@ -183,7 +183,12 @@ class SlotCache(Cache):
     """KV memory for up to `slots` sequences of up to `capacity` tokens each, grown on demand."""
 
     def __init__(
-        self, num_layers: int, kv_heads: int, head_dim: int, device: torch.device | str, dtype: torch.dtype | None = None
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        device: torch.device | str,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(layers=[_SlotLayer(self, i) for i in range(num_layers)])
         self.kv_heads, self.head_dim, self.device = kv_heads, head_dim, torch.device(device)

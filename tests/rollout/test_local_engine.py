@@ -117,12 +117,15 @@ def test_a_bf16_kv_cache_samples_with_the_logprobs_of_a_forward_over_rounded_key
     assert cache.dtype == torch.bfloat16 and all(b.dtype == torch.bfloat16 for b in cache.buf)
     assert cache.bytes_per_token() == cache.bytes_per_token(torch.float32) // 2
     config = tiny_model.config
-    exact = torch.cat([recompute_logprobs(tiny_model, p + o.token_ids)[len(p) - 1 :] for p, o in zip(prompts, outs)])
+
+    def forward() -> torch.Tensor:
+        pairs = zip(prompts, outs, strict=True)
+        return torch.cat([recompute_logprobs(tiny_model, p + o.token_ids)[len(p) - 1 :] for p, o in pairs])
+
+    exact = forward()
     kept, config._attn_implementation = config._attn_implementation, "bf16_kv_reference"
     try:
-        rounded = torch.cat(
-            [recompute_logprobs(tiny_model, p + o.token_ids)[len(p) - 1 :] for p, o in zip(prompts, outs)]
-        )
+        rounded = forward()
     finally:
         config._attn_implementation = kept
     sampled = torch.tensor([lp for o in outs for lp in o.logprobs])
@@ -132,7 +135,9 @@ def test_a_bf16_kv_cache_samples_with_the_logprobs_of_a_forward_over_rounded_key
 
 
 def test_a_kv_cache_dtype_the_engine_cannot_store_is_refused(tiny_model, tokenizer):
-    with pytest.raises(ValueError, match="kv_cache_dtype must be None, torch.float32 or torch.bfloat16, got torch.int8"):
+    with pytest.raises(
+        ValueError, match=r"kv_cache_dtype must be None, torch\.float32 or torch\.bfloat16, got torch\.int8"
+    ):
         LocalEngine(tiny_model, tokenizer, kv_cache_dtype=torch.int8)
 
 
