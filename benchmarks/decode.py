@@ -13,6 +13,11 @@ FLOPs per decoded token = 2 x (parameters of every matmul, the tied LM head incl
 over the context (4 x layers x hidden x context: scores and the weighted sum).
 
     python benchmarks/decode.py [--rows 64] [--prompt-tokens 300] [--new-tokens 64] [--spread 0] [--baseline REV]
+                                [--kv-cache-dtypes float32,bfloat16] [--repeats 1] [--temperature 1]
+
+`--kv-cache-dtypes float32,bfloat16` runs the current engine once with each KV storage
+(`LocalEngine(kv_cache_dtype=...)`; serve's `kv_cache_dtype=bf16`), `--repeats N` every engine N times,
+interleaved.
 
 `--spread S` draws each prompt's length uniformly from prompt-tokens +- S (rows of unlike lengths, as a
 rollout's turns are).
@@ -53,7 +58,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--spread", type=int, default=0)
     parser.add_argument("--baseline", default=None, help="git revision of a previous LocalEngine to run first")
-    parser.add_argument("--kv-cache-dtype", default=None, help="the current engine's: float16 or bfloat16 (serve's)")
+    parser.add_argument(
+        "--kv-cache-dtypes",
+        default="float32",
+        help="the current engine's keys and values: float32, bfloat16",
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each engine, interleaved")
+    parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy, to compare the engines' tokens")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     model, tokenizer = load_model(args.model)
@@ -67,18 +78,20 @@ def main() -> None:
     prompts = [[rng.randrange(100, cfg.vocab_size) for _ in range(n)] for n in lengths]
     matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     context = sum(lengths) / len(lengths) + args.new_tokens / 2  # the average context a decoded token attends to
-    engines = [("previous", previous_engine_class(args.baseline))] if args.baseline else []
-    for name, cls in [*engines, ("current", LocalEngine)]:
+    engines = [("previous", previous_engine_class(args.baseline), {})] if args.baseline else []
+    for dtype in args.kv_cache_dtypes.split(","):
         # prefill, then decode only; the weights packed as `agent-r1 serve` keeps them
-        kw = {} if name == "previous" else {"max_prefill_tokens": sum(lengths), "pack_weights": True}
-        if name == "current" and args.kv_cache_dtype:
-            kw["kv_cache_dtype"] = getattr(torch, args.kv_cache_dtype)
+        kw = {"max_prefill_tokens": sum(lengths), "pack_weights": True, "kv_cache_dtype": getattr(torch, dtype)}
+        engines.append(("current" if dtype == "float32" else f"current, {dtype} keys and values", LocalEngine, kw))
+    sampled: dict[str, list[list[int]]] = {}  # each engine's tokens, from its first run
+    for name, cls, kw in engines * args.repeats:
         model.config._attn_implementation = "sdpa"  # each engine sets its own slot attention
         engine = cls(model, tokenizer, max_batch_size=args.rows, seed=0, **kw)
         engine.eos_ids = {-1}  # every row decodes all its tokens
         engine.generate_batch(prompts[:2], SamplingParams(max_new_tokens=4), [0, 1][: args.rows])  # warm-up
         before = dict(engine.stats)
-        outs = engine.generate_batch(prompts, SamplingParams(max_new_tokens=args.new_tokens), list(range(args.rows)))
+        params = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature)
+        outs = engine.generate_batch(prompts, params, list(range(args.rows)))
         seconds = engine.stats["decode_s"] - before["decode_s"]
         tokens = engine.stats["decoded"] - before["decoded"]
         flops = tokens * (2 * matmul_params + 4 * cfg.num_hidden_layers * hidden * context)
@@ -86,6 +99,10 @@ def main() -> None:
         print(f"{name}: {args.rows} rows, {tokens} tokens in {seconds:.2f} s of decode: {tokens / seconds:.0f} tok/s")
         share = f"{gflops / peak:.0%} of the 1024-row rate, {gflops / at_rows:.0%} of the {args.rows}-row one"
         print(f"        {gflops:.0f} GFLOP/s: {share}; first row's tokens {outs[0].token_ids[:6]}")
+        first = sampled.setdefault(name, [o.token_ids for o in outs])
+        if name != "current" and "current" in sampled:  # the same seeds: rows whose tokens all match fp32's
+            same = sum(a == b for a, b in zip(first, sampled["current"], strict=True))
+            print(f"        rows whose {args.new_tokens} sampled tokens are the fp32 engine's: {same} of {args.rows}")
         prefill = engine.stats["prefill_s"] - before["prefill_s"]
         print(f"        prefill: {sum(lengths)} prompt tokens in {prefill:.2f} s: {sum(lengths) / prefill:.0f} tok/s")
         engine.sleep()

@@ -13,8 +13,12 @@ It is compiled for this CPU (`-march=native`) with the system's C++ compiler thr
 (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`); ~30 s the first time. The build's name
 carries a digest of the source and of the CPU's flags, so a home directory shared by unlike machines
 never loads a build made for another CPU. Where it cannot be built (no compiler, no OpenMP), or for a
-dtype or device it does not cover (fp32 on the CPU only), `kernel_for` says None and the engine runs
-SDPA per segment as before: the same results to rounding, slower.
+dtype or device it does not cover (fp32 queries over fp32 or bf16 keys and values, on the CPU), `kernel_for`
+says None and the engine runs SDPA per segment as before: the same results to rounding, slower.
+
+Keys and values stored in bf16 (`LocalEngine(kv_cache_dtype=torch.bfloat16)`, `agent-r1 serve
+kv_cache_dtype=bf16`) are widened to fp32 as they are read: a shift of each 16-bit value, in registers.
+Half the bytes, so a memory-bound read takes ~0.6-0.8 of the fp32 one (docs/benchmarks.md).
 """
 
 from __future__ import annotations
