@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import torch
 from rich.console import Console
 from rich.table import Table
 from scipy import stats
@@ -71,6 +72,9 @@ class EvalConfig:
     """memory for keys and values, running rows and those kept between turns: too little for every
     episode's context makes the engine prefill evicted contexts again (long multi-turn evals); at most
     half the memory free at start-up"""
+    kv_cache_dtype: Literal["auto", "bf16"] = "auto"
+    """keys and values as the model computes them (auto), or stored in bf16: twice the tokens in
+    kv_cache_gb and fewer bytes for each decode step to read (long contexts), at bf16's rounding of them"""
     seed: int = 0
     """sampling seed"""
     out: str | None = None
@@ -112,8 +116,9 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str,
     )
     make_env.check_context(tasks[0])
     engine = LocalEngine(
-        model, tokenizer, max_batch_size=cfg.max_batch_size, seed=cfg.seed, kv_cache_gb=cfg.kv_cache_gb
-    )
+        model, tokenizer, max_batch_size=cfg.max_batch_size, seed=cfg.seed, kv_cache_gb=cfg.kv_cache_gb,
+        kv_cache_dtype=torch.bfloat16 if cfg.kv_cache_dtype == "bf16" else None,
+    )  # fmt: skip
     records = {r["traj_id"]: r for group in finished.values() for r in group}  # traj_id -> its record
     if kept is not None:  # the partial file starts with the finished groups alone
         write_records(kept, list(records.values()))
@@ -153,7 +158,7 @@ def partial_path(out: str | Path) -> Path:
 
 
 RESUME_KEYS = ("model", "dtype", "task", "split", "num_tasks", "group_size", "max_turns", "prompt_format",
-               "tool_format", "temperature", "top_p", "max_new_tokens", "seed")  # fmt: skip
+               "tool_format", "temperature", "top_p", "max_new_tokens", "kv_cache_dtype", "seed")  # fmt: skip
 """The settings that decide which episodes an eval samples: a resumed eval must share them."""
 
 

@@ -271,3 +271,29 @@ def test_a_resumed_sampled_eval_is_the_whole_run(tmp_path, tiny_model_dir):
     assert [[row["ids"] for row in r["rows"]] for r in resumed] == [[row["ids"] for row in r["rows"]] for r in whole]
     assert whole[0]["rows"][0]["ids"] != whole[1]["rows"][0]["ids"]  # one task's two samples differ: seeding matters
     assert resumed_metrics["accuracy"] == whole_metrics["accuracy"] and resumed_metrics["episodes"] == 6
+
+
+@pytest.mark.parametrize("value", ["auto", "bf16"])
+def test_kv_cache_dtype_reaches_the_engine_and_the_settings_a_resume_checks(value, tiny_model_dir, monkeypatch):
+    """`kv_cache_dtype=bf16` stores the eval's keys and values in bf16; it changes the episodes sampled, so a
+    resumed eval must share it."""
+    import torch
+
+    from agent_r1 import evaluate
+    from agent_r1.config import load_config
+
+    engines = []
+
+    class Recorded(evaluate.LocalEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(evaluate, "LocalEngine", Recorded)
+    args = [f"model={tiny_model_dir}", "num_tasks=2", "max_new_tokens=4", "max_turns=1", f"kv_cache_dtype={value}"]
+    cfg = load_config(evaluate.EvalConfig, None, args)
+    metrics, _ = evaluate.run_eval(cfg)
+    (engine,) = engines
+    assert metrics["episodes"] == 2.0 and metrics["errors"] == 0.0
+    assert engine._cache.dtype == (torch.bfloat16 if value == "bf16" else torch.float32)
+    assert evaluate.eval_settings(cfg)["kv_cache_dtype"] == value
