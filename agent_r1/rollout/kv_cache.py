@@ -136,7 +136,7 @@ def slot_attention(
                 kernel(grouped, key, value, seg.slot_of, start, end, scale or q.shape[2] ** -0.5, o)
             else:  # the cache's dtype changed after the pass chose the kernel: row by row
                 for j, (s, a, b) in enumerate(zip(seg.slot_of.tolist(), start.tolist(), end.tolist(), strict=True)):
-                    k, v = key[s, :, a:b].to(q.dtype), value[s, :, a:b].to(q.dtype)
+                    k, v = _as_read(key[s, :, a:b], q), _as_read(value[s, :, a:b], q)
                     o[j] = F.scaled_dot_product_attention(grouped[j], k, v, scale=scale)
             out[tokens] = o.reshape(seg.count, -1, q.shape[2])
             continue
@@ -147,7 +147,7 @@ def slot_attention(
                 grouped = q[:, tokens].transpose(0, 1).reshape(seg.count, key.shape[1], -1, q.shape[2])
                 # grouped: [c, Hkv, G, D]
                 o = F.scaled_dot_product_attention(
-                    grouped, key[rows, :, cols].to(q.dtype), value[rows, :, cols].to(q.dtype),  # [c, Hkv, W, D]
+                    grouped, _as_read(key[rows, :, cols], q), _as_read(value[rows, :, cols], q),  # [c, Hkv, W, D]
                     attn_mask=mask, scale=scale,
                 )  # fmt: skip
                 out[tokens] = o.reshape(seg.count, -1, q.shape[2])  # [c, Hq, D]
@@ -155,12 +155,21 @@ def slot_attention(
                 row = slice(seg.slot, seg.slot + 1)
                 o = F.scaled_dot_product_attention(
                     q[None, :, tokens],  # [1, Hq, k, D]
-                    key[row, :, cols].to(q.dtype), value[row, :, cols].to(q.dtype),  # [1, Hkv, W, D]
+                    _as_read(key[row, :, cols], q), _as_read(value[row, :, cols], q),  # [1, Hkv, W, D]
                     attn_mask=mask, is_causal=mask is None and tokens.stop - tokens.start > 1, scale=scale,
                     enable_gqa=True,
                 )  # fmt: skip
                 out[tokens] = o[0].transpose(0, 1)
     return out[None], None
+
+
+def _as_read(kv: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """Keys or values as SDPA must read them beside `query`: widened to its dtype when the cache stores
+    them in bf16 for an fp32 model (`kv_cache_dtype`). Under autocast SDPA casts its inputs itself, and a
+    copy of every key read each step would only cost time."""
+    if kv.dtype == query.dtype or torch.is_autocast_enabled(kv.device.type):
+        return kv
+    return kv.to(query.dtype)
 
 
 AttentionInterface.register(SLOT_ATTENTION, slot_attention)
