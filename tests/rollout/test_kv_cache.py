@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from agent_r1.rollout import kv_cache
 from agent_r1.rollout.kv_cache import SLOT_ATTENTION, Segment, SlotCache, use_slot_attention
 from agent_r1.rollout.local_engine import _row_runs
 from tests.conftest import make_tiny_llama
@@ -192,3 +193,14 @@ def test_growing_the_buffers_never_holds_a_second_whole_cache():
         torch.empty = allocate
     assert cache.nbytes == 2 * old_layer * layers  # twice the columns
     assert max(peaks) == cache.nbytes + old_layer  # the old code: cache.nbytes + layers * old_layer
+
+
+def test_bf16_stored_keys_are_widened_for_fp32_queries_and_left_to_autocast_under_it():
+    """A bf16 cache for an fp32 model (`kv_cache_dtype`) gives SDPA its keys in fp32, the same values;
+    under autocast SDPA casts its inputs itself, so the stored tensor is passed as it is (no copy a step)."""
+    keys, query = torch.randn(2, 3, 5, 8).to(torch.bfloat16), torch.randn(1, 3, 1, 8)
+    widened = kv_cache._as_read(keys, query)
+    assert widened.dtype == torch.float32 and torch.equal(widened, keys.float())
+    assert kv_cache._as_read(keys, query.bfloat16()) is keys
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert kv_cache._as_read(keys, query) is keys
