@@ -73,8 +73,8 @@ class EvalConfig:
     episode's context makes the engine prefill evicted contexts again (long multi-turn evals); at most
     half the memory free at start-up"""
     kv_cache_dtype: Literal["auto", "bf16"] = "auto"
-    """keys and values as the model computes them (auto), or stored in bf16: twice the tokens in
-    kv_cache_gb and fewer bytes for each decode step to read (long contexts), at bf16's rounding of them"""
+    """keys and values as the model computes them (auto), or stored in bf16 for an fp32 model: twice the
+    tokens in kv_cache_gb and, on the CPU, fewer bytes for each decode step to read, at bf16's rounding"""
     seed: int = 0
     """sampling seed"""
     out: str | None = None
@@ -160,6 +160,8 @@ def partial_path(out: str | Path) -> Path:
 RESUME_KEYS = ("model", "dtype", "task", "split", "num_tasks", "group_size", "max_turns", "prompt_format",
                "tool_format", "temperature", "top_p", "max_new_tokens", "kv_cache_dtype", "seed")  # fmt: skip
 """The settings that decide which episodes an eval samples: a resumed eval must share them."""
+ADDED_SETTINGS = {"kv_cache_dtype": "auto"}
+"""Resume keys added since evals first kept settings, with the value every earlier eval ran with."""
 
 
 def eval_settings(cfg: EvalConfig) -> dict[str, Any]:
@@ -193,8 +195,9 @@ def finished_episodes(
         sample = made.get("sample") if isinstance(made, dict) else None
         if not (isinstance(sample, int) and sample >= 0 and "task" in record):
             raise ValueError(f"{kept}:{n}: not a record of agent-r1 eval; delete the file to start over")
-        if made.get("settings") != settings:
-            theirs = made.get("settings") or {}
+        # a record from before a key was added ran with its default
+        theirs = {k: ADDED_SETTINGS[k] for k in ADDED_SETTINGS.keys() & settings.keys()} | (made.get("settings") or {})
+        if theirs != settings:
             changed = [f"{k}={theirs.get(k)!r}" for k in settings if theirs.get(k) != settings[k]]
             raise ValueError(
                 f"{kept}:{n}: made by an eval with {', '.join(changed) or 'other settings'}; resume with those "

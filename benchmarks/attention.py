@@ -5,8 +5,8 @@ rows over the same number of columns each, read from a slot buffer as the engine
 ([slots, kv heads, capacity, head_dim], fp32). SDPA gets its best case, rows of one length in one call
 (the engine's SDPA path cuts rows of unlike lengths into several calls); the kernel reads each row's own
 columns. Also printed: what reading the keys and values alone would take at this machine's memory
-bandwidth (a 256 MB sum), the floor for any kernel. `--kv-dtypes float32,float16,bfloat16` also times the
-kernel over keys and values stored in 16 bits (`LocalEngine(kv_cache_dtype=...)`, `agent-r1 serve`), each
+bandwidth (a 256 MB sum), the floor for any kernel. `--kv-dtypes float32,bfloat16` also times the
+kernel over keys and values stored in bf16 (`LocalEngine(kv_cache_dtype=...)`, `agent-r1 serve`), each
 against SDPA over the same stored values widened to fp32.
 
     python benchmarks/attention.py [--rows 64] [--widths 64,256,630,1000] [--kv-dtypes float32]
@@ -37,7 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--widths", default="64,256,630,1000")
-    parser.add_argument("--kv-dtypes", default="float32", help="comma-separated: float32, float16, bfloat16")
+    parser.add_argument("--kv-dtypes", default="float32", help="comma-separated: float32, bfloat16")
     args = parser.parse_args()
     torch.manual_seed(0)
     widths = [int(w) for w in args.widths.split(",")]

@@ -241,6 +241,10 @@ def test_a_resumed_eval_takes_whole_groups_by_position_and_refuses_other_setting
     kept.write_text(json.dumps(lines[0]) + "\n" + json.dumps({"task": {}, "traj_id": "x"}) + "\n")
     with pytest.raises(ValueError, match=r"run.partial.jsonl:2: not a record of agent-r1 eval; delete the file"):
         finished_episodes(kept, tasks, settings, True)
+    kept.write_text(json.dumps(rec(3, 0)) + "\n" + json.dumps(rec(3, 1)) + "\n")  # from before kv_cache_dtype
+    assert list(finished_episodes(kept, tasks, settings | {"kv_cache_dtype": "auto"}, True)) == [3]
+    with pytest.raises(ValueError, match=r"made by an eval with kv_cache_dtype='auto'; resume with"):
+        finished_episodes(kept, tasks, settings | {"kv_cache_dtype": "bf16"}, True)
     kept.write_text("")  # killed before any episode ended: nothing to keep, nothing to refuse
     assert finished_episodes(kept, tasks, settings, False) == {}
     assert finished_episodes(tmp_path / "none.partial.jsonl", tasks, settings, False) == {}

@@ -134,7 +134,7 @@ def slot_attention(
             kernel = kernel_for(key.dtype, key.device) if q.dtype == torch.float32 else None
             if kernel is not None:
                 kernel(grouped, key, value, seg.slot_of, start, end, scale or q.shape[2] ** -0.5, o)
-            else:  # the cache's dtype changed after the pass chose the kernel: row by row
+            else:  # the cache's dtype changed after the pass chose the kernel (it follows the values'): row by row
                 for j, (s, a, b) in enumerate(zip(seg.slot_of.tolist(), start.tolist(), end.tolist(), strict=True)):
                     k, v = _as_read(key[s, :, a:b], q), _as_read(value[s, :, a:b], q)
                     o[j] = F.scaled_dot_product_attention(grouped[j], k, v, scale=scale)

@@ -839,8 +839,10 @@ class LocalEngine:
         self._fit(len(self._running), width)
         col_t = torch.tensor(cols, device=dev)  # [T]
         r = len(rows)
-        # every row in one call, its own columns (fp32 compute: under bf16 autocast SDPA rounds as the trainer's)
-        if rows and kernel_for(cache.dtype, cache.device) is not None and not torch.is_autocast_enabled(dev.type):
+        # every row in one call, its own columns; the kernel takes fp32 queries (a bf16 model, or bf16 autocast,
+        # attends through SDPA, which rounds as the trainer's does)
+        fp32 = self.model.dtype == torch.float32 and not torch.is_autocast_enabled(dev.type)
+        if rows and fp32 and kernel_for(cache.dtype, cache.device) is not None:
             slot_t = torch.tensor(slots[:r], device=dev)
             segments = [Segment(0, r, rows[0].slot, True, col_t[:r], max(cols[:r]) + 1, min(cols[:r]), slot_t)]
         else:  # SDPA: runs of rows in consecutive slots, each read up to its longest row

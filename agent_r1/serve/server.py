@@ -47,8 +47,9 @@ class ServeConfig:
     """KV memory for running requests and for finished ones kept for a continuation (evicted first);
     requests wait for room rather than exceed it; at most half the memory free at start-up"""
     kv_cache_dtype: Literal["auto", "bf16"] = "auto"
-    """keys and values as the model computes them (auto), or in bf16: twice the tokens in kv_cache_gb and
-    fewer bytes for each decode step to read, at bf16's rounding of them (vLLM's kv_cache_dtype)"""
+    """keys and values as the model computes them (auto), or in bf16 for an fp32 model: twice the tokens in
+    kv_cache_gb and, on the CPU, fewer bytes for each decode step to read, at bf16's rounding of them
+    (vLLM's kv_cache_dtype)"""
     max_prefill_tokens: int = 2048
     """prompt tokens one forward pass prefills beside the decoding rows (chunked prefill): lower keeps the
     answers already streaming smooth while a burst arrives, higher prefills the burst sooner"""

@@ -134,6 +134,22 @@ def test_a_bf16_kv_cache_samples_with_the_logprobs_of_a_forward_over_rounded_key
     assert (exact - sampled).abs().max().item() > 1e-4  # the rounding is there to see
 
 
+def test_a_bf16_model_decodes_through_batched_sdpa_not_the_fp32_query_kernel(tokenizer, monkeypatch):
+    """A model loaded in bf16 (no autocast) computes bf16 queries, which the CPU kernel does not take: its
+    decoding rows attend through SDPA in runs of slots, never one SDPA call per row."""
+    model = make_tiny_llama(len(tokenizer), eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id).to(torch.bfloat16)
+    kernel_segments = []
+    segment = local_engine.Segment
+
+    def recorded(*args):
+        kernel_segments.append(len(args) == 8)  # built with slot_of: the kernel's segment
+        return segment(*args)
+
+    monkeypatch.setattr(local_engine, "Segment", recorded)
+    outs = gen(LocalEngine(model, tokenizer, seed=0), prompts_of(tokenizer), max_new_tokens=6, temperature=1.0)
+    assert all(len(o.token_ids) == 6 for o in outs) and kernel_segments and not any(kernel_segments)
+
+
 def test_a_kv_cache_dtype_the_engine_cannot_store_is_refused(tiny_model, tokenizer):
     with pytest.raises(
         ValueError, match=r"kv_cache_dtype must be None, torch\.float32 or torch\.bfloat16, got torch\.int8"
