@@ -316,7 +316,7 @@ class LocalEngine:
         self._packs: Packs | None = {} if pack_weights else None
         # keys and values stored in bf16 (None: the model's dtype): half the KV memory and half the bytes
         # a decode step's attention reads, but sampled log-probs no longer match the trainer's forward
-        # to fp32 rounding; for serving, never for training rollouts
+        # to fp32 rounding: for serving and eval, not the trainer's own rollouts
         self.kv_cache_dtype = kv_cache_dtype
         _ENGINES.add(self)
 
