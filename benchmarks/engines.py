@@ -17,6 +17,9 @@ batching), loaded from git into a module of its own, so all engines run in one p
 (each started just before its runs), and run as it ran then (without `TRANSFORMERS_SDPA_FORCE_GQA`,
 which `use_onednn` now sets).
 
+After the table, a local engine's own clock: seconds in passes that only prefill, only decode, and both
+(chunks of prompts beside decoding rows); the rest of a run is sampling, tools and Python.
+
     python benchmarks/engines.py [--engines previous,local,vllm] [--kinds calculator,search]
                                  [--tasks 64] [--turns 3] [--max-new-tokens 64] [--baseline REV]
 """
@@ -127,6 +130,8 @@ def bench(engine, prompts, tool_output, fmt, params, turns) -> dict:
     after = getattr(engine, "stats", {})
     r["prefilled"] = after.get("prefilled", 0) - stats.get("prefilled", 0)
     r["reused"] = after.get("reused", 0) - stats.get("reused", 0)
+    # the engine's own clock: passes that only prefill, only decode, or both (a local engine's)
+    r["passes"] = {k: after[k] - stats.get(k, 0) for k in ("prefill_s", "decode_s", "mixed_s") if k in after}
     if isinstance(engine, LocalEngine):
         engine.sleep()  # as the trainer does between rollouts: nothing kept from the previous run
     return r
@@ -200,6 +205,10 @@ def main() -> None:
             f"| {kind} | {name} | {r['seconds']:.1f} | {r['sampled']:,} | {r['sampled'] / r['seconds']:.1f} | "
             f"{turns:.2f} | {r['context']:.0f} | {r['prefilled'] or '-'} | {r['reused'] or '-'} |"
         )
+    for kind, name, r in rows:
+        if r["passes"]:
+            clock = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in r["passes"].items())
+            print(f"{kind}, {name}: forward passes {clock} (the rest: sampling, tools, Python)")
 
 
 if __name__ == "__main__":
