@@ -309,3 +309,17 @@ def tiny_vlm(tokenizer, tmp_path_factory):
         return load_model(str(out))[0], load_processor(str(out))
 
     return load
+
+
+def record_kernel_segments(monkeypatch) -> list[bool]:
+    """For each `Segment` the engine builds from now on, whether it is the CPU kernel's (built with slot_of)."""
+    from agent_r1.rollout import local_engine
+
+    kinds, segment = [], local_engine.Segment
+
+    def recorded(*args):
+        kinds.append(len(args) == 8)
+        return segment(*args)
+
+    monkeypatch.setattr(local_engine, "Segment", recorded)
+    return kinds

@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils import cpp_extension
 
-from agent_r1.rollout import decode_attention, kv_cache, local_engine
+from agent_r1.rollout import decode_attention, kv_cache
 from agent_r1.rollout.decode_attention import kernel_for
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
-from tests.conftest import recompute_logprobs
+from tests.conftest import recompute_logprobs, record_kernel_segments
 
 
 def row_by_row(q, k, v, slots, starts, ends, scale):
@@ -105,14 +105,7 @@ def test_a_pass_that_chose_the_kernel_attends_row_by_row_when_it_is_gone(tiny_mo
     SDPA over the same columns, never calling None."""
     monkeypatch.setattr(kv_cache, "kernel_for", lambda dtype, device: None)
     prompts = [tokenizer.encode(t) for t in ("What is 12 * 34?", "Hi there", "Add 5 and 7")]
-    chosen = []
-    segment = local_engine.Segment
-
-    def recorded(*args):
-        chosen.append(len(args) == 8)  # built with slot_of: the kernel's segment
-        return segment(*args)
-
-    monkeypatch.setattr(local_engine, "Segment", recorded)
+    chosen = record_kernel_segments(monkeypatch)
     outs = LocalEngine(tiny_model, tokenizer, seed=0).generate_batch(
         prompts, SamplingParams(max_new_tokens=12, temperature=1.0), [1, 2, 3]
     )

@@ -22,7 +22,7 @@ from agent_r1.rollout import kv_cache, local_engine
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.utils import malloc, openmp
-from tests.conftest import make_tiny_llama, recompute_logprobs
+from tests.conftest import make_tiny_llama, recompute_logprobs, record_kernel_segments
 
 
 def gen(engine, prompts, **kw):
@@ -138,14 +138,7 @@ def test_a_bf16_model_decodes_through_batched_sdpa_not_the_fp32_query_kernel(tok
     """A model loaded in bf16 (no autocast) computes bf16 queries, which the CPU kernel does not take: its
     decoding rows attend through SDPA in runs of slots, never one SDPA call per row."""
     model = make_tiny_llama(len(tokenizer), eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id).to(torch.bfloat16)
-    kernel_segments = []
-    segment = local_engine.Segment
-
-    def recorded(*args):
-        kernel_segments.append(len(args) == 8)  # built with slot_of: the kernel's segment
-        return segment(*args)
-
-    monkeypatch.setattr(local_engine, "Segment", recorded)
+    kernel_segments = record_kernel_segments(monkeypatch)
     outs = gen(LocalEngine(model, tokenizer, seed=0), prompts_of(tokenizer), max_new_tokens=6, temperature=1.0)
     assert all(len(o.token_ids) == 6 for o in outs) and kernel_segments and not any(kernel_segments)
 
