@@ -330,15 +330,26 @@ def kill_once(run: Setup, log: Path, n: int, target: str, step: int, delay_s: fl
     return k
 
 
+_ORDER = {p: i for i, p in enumerate(("startup", "rollout", "update", "log", "checkpoint", "export"))}
+
+
+def landed_after(k: Kill) -> bool:
+    """The kill came after its target phase had ended (the timing the aim was drawn from no longer
+    held: another job on the machine during the uninterrupted run made its phases look longer)."""
+    return (k.step, _ORDER[k.phase]) > (k.target_step, _ORDER[k.target])
+
+
 def chaos(
     run: Setup, logs: Path, kills: int, lengths: dict[str, float], rng: random.Random, reach: float = 0.9
 ) -> tuple[list[Kill], float]:
     """Kill the run `kills` times, aiming each kill at the phase hit least so far (so a missed aim is
     made up later), in the step in progress or, one time in three, the next one, at a random point
-    within the first `reach` of the phase's length; then let the last launch finish. Returns the kills
+    within the first `reach` of the phase's length (halved after a kill that came too late); then let
+    the last launch finish. Returns the kills
     and the last launch's seconds."""
     done: list[Kill] = []
     hits: Counter[str] = Counter()
+    lengths = dict(lengths)  # the caller's stay the uninterrupted run's
     for n in range(1, kills + 1):
         saved = max(RunDir(run.run_dir).complete(), default=0)
         if saved >= run.steps:
@@ -348,6 +359,8 @@ def chaos(
         target = min(PHASES, key=lambda p: (hits[p], rng.random()))
         k = kill_once(run, logs / f"launch_{n:02d}.log", n, target, step, rng.uniform(0.0, reach) * lengths[target])
         hits[k.phase] += 1
+        if landed_after(k):  # the phase ran shorter in this launch than in the uninterrupted one
+            lengths[target] = min(lengths[target], k.delay_s) / 2  # a loaded machine: aim earlier next time
         if done:  # this launch was the resume after the previous kill
             done[-1].resumed_from = resumed_step(logs / f"launch_{n:02d}.log")
         done.append(k)

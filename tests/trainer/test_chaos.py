@@ -6,7 +6,7 @@ but the equality (timing decides its batches), and to no group lost or trained t
 
 import pytest
 
-from benchmarks.chaos_train import PHASES, failures, print_summary, run_chaos
+from benchmarks.chaos_train import PHASES, Kill, failures, landed_after, print_summary, run_chaos
 
 KILLS, STEPS = 4, 3
 
@@ -19,3 +19,13 @@ def test_kills_in_rollout_update_and_checkpoint_writing_resume_exactly(tmp_path,
     assert set(PHASES) <= set(summary["phases"]), summary["phases"]
     assert summary["metrics"]["steps"] == list(range(1, STEPS + 1))
     assert failures(summary, KILLS) == []
+
+
+def test_a_kill_that_came_after_its_phase_is_told_from_one_that_came_early_or_on_time():
+    """Such a kill halves the aim at its phase (a loaded machine made the uninterrupted run's phases
+    look longer); one inside its phase, or still in start-up, leaves it alone."""
+    assert landed_after(Kill(1, "rollout", 2, 0.1, phase="update", step=2))
+    assert landed_after(Kill(1, "checkpoint", 2, 0.1, phase="rollout", step=3))
+    assert not landed_after(Kill(1, "rollout", 2, 0.1, phase="rollout", step=2))
+    assert not landed_after(Kill(1, "update", 2, 0.1, phase="rollout", step=2))
+    assert not landed_after(Kill(1, "rollout", 1, 0.1, phase="startup", step=1))
