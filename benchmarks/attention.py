@@ -51,8 +51,13 @@ def main() -> None:
     print(f"{torch.get_num_threads()} torch threads; memory read {bandwidth:.0f} GB/s (a 256 MB sum)")
     kv = torch.randn(2, rows, kv_heads, capacity, dim)  # keys, values [slots, Hkv, capacity, D] each
     slots = torch.arange(rows)
-    print("| columns | keys, values | SDPA (fp32, one call) | kernel | speed-up | at memory speed | max difference |")
-    print("|---|---|---|---|---|---|---|")
+    portable = torch.ops.agent_r1.decode_attention_portable  # its loops without this CPU's intrinsics
+    print(f"the kernel's AVX-512 path: {'built' if torch.ops.agent_r1.decode_attention_simd() else 'not on this CPU'}")
+    print(
+        "| columns | keys, values | SDPA (fp32, one call) | kernel, portable loops | kernel | speed-up | "
+        "at memory speed | max difference |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for width in widths:
         q = torch.randn(rows, kv_heads, group, dim)  # a kv head's query heads as queries of it
         out = torch.empty_like(q)
@@ -61,12 +66,14 @@ def main() -> None:
         sdpa = timed(lambda: F.scaled_dot_product_attention(q, k32, v32))  # noqa: B023
         for dtype in dtypes:
             k, v = kv.to(dtype)
+            loops = timed(lambda: portable(q, k, v, slots, starts, ends, dim**-0.5, out))  # noqa: B023
             ours = timed(lambda: kernel(q, k, v, slots, starts, ends, dim**-0.5, out))  # noqa: B023
             floor = 2 * rows * kv_heads * width * dim * k.element_size() / (bandwidth * 1e9)
             widened = k[:, :, :width].float(), v[:, :, :width].float()  # the stored values, as SDPA reads them
             diff = (out - F.scaled_dot_product_attention(q, *widened)).abs().max().item()
             print(
-                f"| {width} | {str(dtype)[6:]} | {sdpa * 1e3:.2f} ms | {ours * 1e3:.2f} ms | {sdpa / ours:.1f}x | "
+                f"| {width} | {str(dtype)[6:]} | {sdpa * 1e3:.2f} ms | {loops * 1e3:.2f} ms | {ours * 1e3:.2f} ms | "
+                f"{sdpa / ours:.1f}x | "
                 f"{floor * 1e3:.2f} ms | {diff:.1e} |"
             )
 

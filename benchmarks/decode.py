@@ -17,7 +17,8 @@ over the context (4 x layers x hidden x context: scores and the weighted sum).
 
 `--kv-cache-dtypes float32,bfloat16` runs the current engine once with each KV storage
 (`LocalEngine(kv_cache_dtype=...)`; serve's `kv_cache_dtype=bf16`), `--repeats N` every engine N times,
-interleaved.
+interleaved. `--portable-kernel` also runs each on the decode kernel's portable loops, what a CPU without
+AVX-512 runs (`rollout/decode_attention.cpp`).
 
 `--spread S` draws each prompt's length uniformly from prompt-tokens +- S (rows of unlike lengths, as a
 rollout's turns are).
@@ -34,6 +35,8 @@ from engines import previous_engine_class
 
 from agent_r1.models.loading import load_model
 from agent_r1.models.onednn import _linear
+from agent_r1.rollout import kv_cache
+from agent_r1.rollout.decode_attention import kernel_for
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
 
@@ -48,6 +51,11 @@ def matmul_gflops(rows: int, d_in: int, d_out: int, repeats: int = 20) -> float:
     for i in range(repeats):
         _linear(x, weights[i % 8])
     return 2 * rows * d_in * d_out * repeats / (time.perf_counter() - start) / 1e9
+
+
+def portable_kernel_for(dtype: torch.dtype | None, device: torch.device):
+    """`kernel_for`, answering the kernel's portable loops where it answers the kernel."""
+    return torch.ops.agent_r1.decode_attention_portable if kernel_for(dtype, device) else None
 
 
 def main() -> None:
@@ -65,6 +73,11 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=1, help="runs of each engine, interleaved")
     parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy, to compare the engines' tokens")
+    parser.add_argument(
+        "--portable-kernel",
+        action="store_true",
+        help="also run each engine on the decode kernel's portable loops (a CPU without AVX-512)",
+    )
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     model, tokenizer = load_model(args.model)
@@ -78,14 +91,17 @@ def main() -> None:
     prompts = [[rng.randrange(100, cfg.vocab_size) for _ in range(n)] for n in lengths]
     matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     context = sum(lengths) / len(lengths) + args.new_tokens / 2  # the average context a decoded token attends to
-    engines = [("previous", previous_engine_class(args.baseline), {})] if args.baseline else []
-    for dtype in args.kv_cache_dtypes.split(","):
-        # prefill, then decode only; the weights packed as `agent-r1 serve` keeps them
-        kw = {"max_prefill_tokens": sum(lengths), "pack_weights": True, "kv_cache_dtype": getattr(torch, dtype)}
-        engines.append(("current" if dtype == "float32" else f"current, {dtype} keys and values", LocalEngine, kw))
+    engines = [("previous", previous_engine_class(args.baseline), {}, False)] if args.baseline else []
+    for portable in (False, True) if args.portable_kernel else (False,):
+        for dtype in args.kv_cache_dtypes.split(","):
+            # prefill, then decode only; the weights packed as `agent-r1 serve` keeps them
+            kw = {"max_prefill_tokens": sum(lengths), "pack_weights": True, "kv_cache_dtype": getattr(torch, dtype)}
+            name = "current" if dtype == "float32" else f"current, {dtype} keys and values"
+            engines.append((name + (", portable kernel loops" if portable else ""), LocalEngine, kw, portable))
     sampled: dict[str, list[list[int]]] = {}  # each engine's tokens, from its first run
-    for name, cls, kw in engines * args.repeats:
+    for name, cls, kw, portable in engines * args.repeats:
         model.config._attn_implementation = "sdpa"  # each engine sets its own slot attention
+        kv_cache.kernel_for = portable_kernel_for if portable else kernel_for
         engine = cls(model, tokenizer, max_batch_size=args.rows, seed=0, **kw)
         engine.eos_ids = {-1}  # every row decodes all its tokens
         engine.generate_batch(prompts[:2], SamplingParams(max_new_tokens=4), [0, 1][: args.rows])  # warm-up

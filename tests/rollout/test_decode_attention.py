@@ -22,21 +22,30 @@ def row_by_row(q, k, v, slots, starts, ends, scale):
     return out
 
 
-@pytest.mark.parametrize("group", [1, 3, 4, 6])  # query heads a kv head: the unrolled cases and the general one
-def test_each_row_attends_to_exactly_its_columns_of_its_slot(group):
-    """Rows in any slots, in any order, of unlike lengths, some through a window (start > 0): the kernel's
-    output is SDPA's on each row's own columns, to fp32 rounding."""
-    torch.manual_seed(group)
-    slots_n, heads, capacity, dim = 7, 2, 80, 64
-    k, v = torch.randn(2, slots_n, heads, capacity, dim)  # [slots, Hkv, capacity, D] each
-    slots = torch.tensor([5, 0, 3, 6, 1])
-    ends = torch.tensor([1, 77, 40, 13, 64])  # a row at column 0 reads one column
-    starts = torch.tensor([0, 60, 0, 9, 33])
-    q = torch.randn(len(slots), heads, group, dim)
-    out = torch.full_like(q, float("nan"))
+def kernels() -> dict[str, object]:
+    """The kernel as the engine calls it (AVX-512 intrinsics where the CPU has them) and its portable
+    loops alone (what every other CPU runs): both are tested on any machine."""
     kernel = kernel_for(torch.float32, torch.device("cpu"))
     assert kernel is not None  # it builds wherever the tests run: a compiler comes with the machine
-    kernel(q, k, v, slots, starts, ends, 0.125, out)
+    return {"kernel": kernel, "portable": torch.ops.agent_r1.decode_attention_portable}
+
+
+@pytest.mark.parametrize("path", ["kernel", "portable"])
+@pytest.mark.parametrize("dim", [64, 128, 48])  # the intrinsics' head sizes, and one only the loops take
+@pytest.mark.parametrize("group", [1, 3, 4, 6])  # query heads a kv head: the unrolled cases and the general one
+def test_each_row_attends_to_exactly_its_columns_of_its_slot(group, dim, path):
+    """Rows in any slots, in any order, of unlike lengths (whole blocks of 16 keys, a remainder, fewer
+    than 16), some through a window (start > 0): the kernel's output is SDPA's on each row's own columns,
+    to fp32 rounding."""
+    torch.manual_seed(group)
+    slots_n, heads, capacity = 7, 2, 80
+    k, v = torch.randn(2, slots_n, heads, capacity, dim)  # [slots, Hkv, capacity, D] each
+    slots = torch.tensor([5, 0, 3, 6, 1, 2])
+    ends = torch.tensor([1, 77, 40, 13, 64, 48])  # a row at column 0 reads one column
+    starts = torch.tensor([0, 60, 0, 9, 33, 16])  # 1, 17, 40, 4, 31 and 32 columns
+    q = torch.randn(len(slots), heads, group, dim)
+    out = torch.full_like(q, float("nan"))
+    kernels()[path](q, k, v, slots, starts, ends, 0.125, out)
     assert (out - row_by_row(q, k, v, slots, starts, ends, 0.125)).abs().max().item() < 1e-5
     assert (out[0] == v[5, :, 0, None]).all()  # one column: its value, whatever the score
 
@@ -53,7 +62,8 @@ def test_bounds_outside_the_cache_or_empty_are_refused_not_read(slot, start, end
         kernel(q, k, v, torch.tensor([slot]), torch.tensor([start]), torch.tensor([end]), 1.0, out)
 
 
-def test_over_bf16_keys_and_values_it_is_sdpa_over_them_widened():
+@pytest.mark.parametrize("path", ["kernel", "portable"])
+def test_over_bf16_keys_and_values_it_is_sdpa_over_them_widened(path):
     """A bf16 KV cache (`kv_cache_dtype`): the kernel widens each stored key and value to fp32 as it reads
     them, so its output is SDPA's over the same bf16 values in fp32, to fp32 rounding."""
     torch.manual_seed(0)
@@ -61,7 +71,7 @@ def test_over_bf16_keys_and_values_it_is_sdpa_over_them_widened():
     slots, starts, ends = torch.tensor([2, 0, 3]), torch.tensor([0, 5, 0]), torch.tensor([50, 31, 1])
     q = torch.randn(3, 3, 3, 64)
     out = torch.empty_like(q)
-    kernel_for(torch.bfloat16, torch.device("cpu"))(q, k, v, slots, starts, ends, 0.125, out)
+    kernels()[path](q, k, v, slots, starts, ends, 0.125, out)
     assert (out - row_by_row(q, k.float(), v.float(), slots, starts, ends, 0.125)).abs().max().item() < 1e-5
     with pytest.raises(RuntimeError, match="keys and values float32 or bfloat16 alike"):
         kernel_for(torch.float32, torch.device("cpu"))(q, k, v.float(), slots, starts, ends, 0.125, out)
