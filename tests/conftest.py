@@ -323,3 +323,22 @@ def record_kernel_segments(monkeypatch) -> list[bool]:
 
     monkeypatch.setattr(local_engine, "Segment", recorded)
     return kinds
+
+
+@contextlib.contextmanager
+def recorded_passes():
+    """Spy on every `LocalEngine` forward pass from now on, in order (filled as they run), as (rows decoding
+    a token, the token counts of the prompt chunks prefilled beside them): the engine's own view, whichever
+    attention (the CPU kernel's one call, or SDPA's segments) then runs it."""
+    calls: list[tuple[int, tuple[int, ...]]] = []
+    forward = LocalEngine._forward
+
+    def spy(self, rows, chunks):
+        calls.append((len(rows), tuple(k for _, k in chunks)))
+        return forward(self, rows, chunks)
+
+    LocalEngine._forward = spy
+    try:
+        yield calls
+    finally:
+        LocalEngine._forward = forward

@@ -1,5 +1,6 @@
-// Decode attention over a SlotCache on the CPU: every decoding row of a packed pass in one call, each row
-// reading only its own slot's columns [start, end). Built on first use by agent_r1/rollout/decode_attention.py.
+// Decode attention over a SlotCache on the CPU: every token of a packed pass in one call (each decoding row,
+// and each token of a prompt chunk as a row of its own), each reading only its own slot's columns [start,
+// end). Built on first use by agent_r1/rollout/decode_attention.py.
 //
 // Why: at decode each row has one query per head, so attention is a matrix-vector product per (row, kv
 // head) and is bound by reading the keys and values. PyTorch's SDPA runs it as a batch of tiny GEMMs that
@@ -10,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -166,6 +168,25 @@ template <typename T>
 Simd<T> simd_for(int64_t, int64_t) { return {}; }  // the portable loops only
 #endif
 
+// Job boundaries (a job: one row and kv head, in order) that give each thread the same number of columns to
+// read: a prompt chunk's tokens read hundreds or thousands of columns each, a decoding row's as few as one,
+// and an even split of the jobs would leave one thread waiting on the other.
+std::vector<int64_t> balanced_split(const int64_t* ap, const int64_t* bp, int64_t n, int64_t H) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n * H));
+  constexpr int64_t kJobCost = 16;  // a job's own cost beside its columns (its softmax, its output)
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) total += (bp[i] - ap[i] + kJobCost) * H;
+  std::vector<int64_t> split{0};
+  int64_t done = 0;
+  for (int64_t job = 0; job < n * H && static_cast<int64_t>(split.size()) < threads; ++job) {
+    const int64_t i = job / H;
+    done += bp[i] - ap[i] + kJobCost;
+    if (done * threads >= total * static_cast<int64_t>(split.size())) split.push_back(job + 1);
+  }
+  split.push_back(n * H);
+  return split;
+}
+
 // The work of `decode_attention` for keys and values stored as T (checked by the caller).
 template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* sp, const int64_t* ap,
@@ -178,9 +199,10 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   float* op = out.data_ptr<float>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
-  at::parallel_for(0, n * H, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<int64_t> split = balanced_split(ap, bp, n, H);
+  at::parallel_for(0, static_cast<int64_t>(split.size()) - 1, 1, [&](int64_t first, int64_t last) {
     std::vector<float> buf;  // [G, W] the scores, then the weights
-    for (int64_t job = begin; job < end; ++job) {
+    for (int64_t job = split[first]; job < split[last]; ++job) {
       const int64_t i = job / H, h = job % H, s = sp[i], a = ap[i], W = bp[i] - a;
       buf.resize(G * W);
       float* p = buf.data();

@@ -20,11 +20,13 @@ A forward pass is *packed*: the tokens of every sequence that takes part - one p
 of its prompt per row being prefilled - are one row `[1, T]`, so the linear layers see every token of
 the step in one matmul and a newcomer's prefill rides in a decode step instead of stalling it (chunked
 prefill, Agrawal et al., "Sarathi-Serve", OSDI 2024; vLLM's scheduler). Attention is the only part that
-needs to know which tokens belong together, and `slot_attention` does it per `Segment`: a run of
-decoding rows in consecutive slots reads their slots only up to the longest of *them* (not the widest
-row of the batch), and a prefill chunk reads its own slot with a causal mask offset by the columns it
-already holds. It is registered with transformers' `AttentionInterface` (`use_slot_attention`), and a
-forward pass outside `SlotCache.packed` (the trainer's) falls through to SDPA unchanged.
+needs to know which tokens belong together, and `slot_attention` does it per `Segment`. On the CPU,
+in fp32, one call of the `decode_attention` kernel takes every token of the pass, each reading its own
+slot's columns up to its own. Otherwise SDPA does: a run of decoding rows in consecutive slots reads
+their slots only up to the longest of *them* (not the widest row of the batch), and a prefill chunk
+reads its own slot with a causal mask offset by the columns it already holds. It is registered with
+transformers' `AttentionInterface` (`use_slot_attention`), and a forward pass outside `SlotCache.packed`
+(the trainer's) falls through to SDPA unchanged.
 
 `SlotCache` speaks transformers' `Cache` interface: `packed(slots, cols, segments)` says which slot and
 column each token's keys go to; each layer's `update` writes them there and returns the layer's whole
@@ -56,9 +58,10 @@ _ACTIVE: contextvars.ContextVar[SlotCache | None] = contextvars.ContextVar("agen
 class Segment:
     """Tokens [token, token + count) of a packed pass that attend as one SDPA call.
 
-    `decode`: one token per row, rows in slots slot .. slot + count - 1, or in any slots (`slot_of`
-    [count]) for the CPU kernel (`decode_attention`), where each row reads only its own columns;
-    otherwise `count` tokens of the one sequence in `slot` (a prefill chunk). `cols` [count] are the
+    `decode`: one token per row, rows in slots slot .. slot + count - 1, or, for the CPU kernel
+    (`decode_attention`), tokens in any slots (`slot_of` [count]), each reading only its own slot's columns
+    up to its own: a decoding row's new token, or a prompt chunk's tokens, causally; otherwise `count`
+    tokens of the one sequence in `slot` (a prefill chunk). `cols` [count] are the
     tokens' columns (= positions for the mask); the segment reads columns 0 .. width - 1 of its slots,
     width = max(cols) + 1 (a sliding-window layer only those its window reaches: `blocks`).
     """
@@ -70,7 +73,7 @@ class Segment:
     cols: torch.Tensor  # [count]
     width: int  # max(cols) + 1, the columns it reads (given from the host: no device read)
     lowest: int  # min(cols)
-    slot_of: torch.Tensor | None = None  # [count] each row's slot: the rows go to the CPU kernel
+    slot_of: torch.Tensor | None = None  # [count] each token's slot: the tokens go to the CPU kernel
     _blocks: dict = field(default_factory=dict)
 
     def bounds(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +129,7 @@ def slot_attention(
     q = query[0]  # [Hq, T, D]
     out = query.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, Hq, D]
     for seg in cache.segments:
-        if seg.slot_of is not None:  # every decoding row in one call of the CPU kernel
+        if seg.slot_of is not None:  # every token (decoding rows, prompt chunks) in one call of the CPU kernel
             tokens = slice(seg.token, seg.token + seg.count)
             grouped = q[:, tokens].transpose(0, 1).reshape(seg.count, key.shape[1], -1, q.shape[2]).contiguous()
             o = torch.empty_like(grouped)  # [c, Hkv, G, D]

@@ -838,24 +838,27 @@ class LocalEngine:
         width = max(c + 1 for c in cols)
         self._fit(len(self._running), width)
         col_t = torch.tensor(cols, device=dev)  # [T]
-        r = len(rows)
-        # every row in one call, its own columns; the kernel takes fp32 queries (a bf16 model, or bf16 autocast,
-        # attends through SDPA, which rounds as the trainer's does)
+        keep, t = list(range(len(rows))), len(rows)  # the tokens whose logits are needed
+        for s, k in chunks:
+            t += k
+            if s.n + k == len(s.prompt):
+                keep.append(t - 1)
+        # every token of the pass in one call of the kernel, each reading its own columns: a decoding row's, and
+        # a prompt chunk's token those up to its own (causal), at ~2x SDPA's speed (docs/benchmarks.md). The
+        # kernel takes fp32 queries (a bf16 model, or bf16 autocast, attends through SDPA, which rounds as the
+        # trainer's does)
         fp32 = self.model.dtype == torch.float32 and not torch.is_autocast_enabled(dev.type)
-        if rows and fp32 and kernel_for(cache.dtype, cache.device) is not None:
-            slot_t = torch.tensor(slots[:r], device=dev)
-            segments = [Segment(0, r, rows[0].slot, True, col_t[:r], max(cols[:r]) + 1, min(cols[:r]), slot_t)]
-        else:  # SDPA: runs of rows in consecutive slots, each read up to its longest row
+        if fp32 and kernel_for(cache.dtype, cache.device) is not None:
+            segments = [Segment(0, len(cols), slots[0], True, col_t, width, min(cols), torch.tensor(slots, device=dev))]
+        else:  # SDPA: runs of rows in consecutive slots, each read up to its longest row, then a call a chunk
             segments = [
                 Segment(i, j - i, rows[i].slot, True, col_t[i:j], max(cols[i:j]) + 1, min(cols[i:j]))
                 for i, j in _row_runs(rows)
             ]
-        keep, t = list(range(len(rows))), len(rows)  # the tokens whose logits are needed
-        for s, k in chunks:
-            segments.append(Segment(t, k, s.slot, False, col_t[t : t + k], s.n + k, s.n))
-            t += k
-            if s.n + k == len(s.prompt):
-                keep.append(t - 1)
+            t = len(rows)
+            for s, k in chunks:
+                segments.append(Segment(t, k, s.slot, False, col_t[t : t + k], s.n + k, s.n))
+                t += k
         position_ids = torch.tensor(pos, device=dev)[None]  # [1, T]
         if any(s.rope is not None for s, _ in chunks):  # [3, 1, T] mrope positions of a prompt with images
             position_ids = position_ids[None].repeat(3, 1, 1)

@@ -22,7 +22,7 @@ from agent_r1.rollout import kv_cache, local_engine
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.utils import malloc, openmp
-from tests.conftest import make_tiny_llama, recompute_logprobs, record_kernel_segments
+from tests.conftest import make_tiny_llama, recompute_logprobs, record_kernel_segments, recorded_passes
 
 
 def gen(engine, prompts, **kw):
@@ -206,25 +206,10 @@ def test_context_budget_caps_new_tokens(engine, tokenizer):
     assert len(out.token_ids) == 3 and out.finish_reason == "length"
 
 
-def record_forwards(model) -> list:
-    """Spy on the model: every engine forward pass, in order (filled as they run), as (rows decoding a
-    token, the token counts of the prompt chunks prefilled beside them)."""
-    calls = []
-
-    def hook(module, args, kwargs):
-        if "past_key_values" in kwargs:  # the engine's passes (not the tests' plain reference forwards)
-            segments = kwargs["past_key_values"].segments
-            rows = sum(s.count for s in segments if s.decode)
-            calls.append((rows, tuple(s.count for s in segments if not s.decode)))
-
-    return calls, model.register_forward_pre_hook(hook, with_kwargs=True)
-
-
 @pytest.fixture
-def forwards(tiny_model):
-    calls, hook = record_forwards(tiny_model)
-    yield calls
-    hook.remove()
+def forwards():
+    with recorded_passes() as calls:
+        yield calls
 
 
 async def test_concurrent_calls_are_prefilled_together(engine, tokenizer, forwards):
@@ -327,13 +312,10 @@ def test_sampling_params_reject_bad_values():
 SYSTEM = "You are a careful assistant. Use the calculator tool for every computation. " * 2
 
 
-def generate_recording_shapes(engine, model, prompts, **kw):
-    """Generate, returning the outputs and every forward pass (`record_forwards`), in order."""
-    calls, hook = record_forwards(model)
-    try:
+def generate_recording_shapes(engine, prompts, **kw):
+    """Generate, returning the outputs and every forward pass (`recorded_passes`), in order."""
+    with recorded_passes() as calls:
         return gen(engine, prompts, **kw), calls
-    finally:
-        hook.remove()
 
 
 def assert_logprobs_match_a_plain_forward(model, prompts, outs):
@@ -345,7 +327,7 @@ def assert_logprobs_match_a_plain_forward(model, prompts, outs):
 def test_shared_prefix_is_prefilled_once_and_changes_nothing(engine, tiny_model, tokenizer):
     system = tokenizer.encode(SYSTEM)
     prompts = [system + tokenizer.encode(q) for q in ("What is 12 * 34?", "Hi", "Add 5 and 7, then double it")]
-    batched, calls = generate_recording_shapes(engine, tiny_model, prompts, max_new_tokens=8, temperature=1.0)
+    batched, calls = generate_recording_shapes(engine, prompts, max_new_tokens=8, temperature=1.0)
     assert calls[0] == (0, (len(system),)) and len(calls[1][1]) == 3  # the prefix ran once, then the suffixes
     assert sum(calls[1][1]) == sum(len(p) - len(system) for p in prompts)
     assert_logprobs_match_a_plain_forward(tiny_model, prompts, batched)
@@ -358,7 +340,7 @@ def test_a_groups_repeated_prompt_is_prefilled_once(engine, tiny_model, tokenize
     system = tokenizer.encode(SYSTEM)
     a, b = (system + tokenizer.encode(q) for q in ("What is 12 * 34?", "Add 5 and 7, then double it"))
     prompts = [a, a, a, b, b]  # two GRPO groups
-    outs, calls = generate_recording_shapes(engine, tiny_model, prompts, max_new_tokens=12, temperature=1.0)
+    outs, calls = generate_recording_shapes(engine, prompts, max_new_tokens=12, temperature=1.0)
     assert calls[0] == (0, (len(system),)) and len(calls[1][1]) == 2  # the shared prefix, the 2 distinct prompts
     assert calls[2] == (5, ())  # then all 5 rows decode
     assert_logprobs_match_a_plain_forward(tiny_model, prompts, outs)
@@ -667,11 +649,12 @@ def test_sliding_window_layers_see_only_their_window(tokenizer):
 @pytest.mark.parametrize("max_prefill_tokens, widest", [(5, 5 + 6 - 1), (1024, 2 * 6 - 1)])
 def test_sliding_window_layers_read_only_their_window(tokenizer, monkeypatch, max_prefill_tokens, widest, decode_path):
     """A sliding-window layer's attention reads only the columns its tokens can see, not the whole
-    context. Every layer here slides over 6 columns, and a sequence grows to 25 tokens. Prefilled in
-    5-token chunks, a call reads at most a chunk and the window of its first token (10 columns); prefilled
-    whole, the 13-token prompt is cut into blocks of 6 queries, each reading at most 2 x 6 - 1 columns;
-    a decode row reads 6. Rows of different lengths decoding together still get a plain forward's
-    log-probs."""
+    context. Every layer here slides over 6 columns, and a sequence grows to 25 tokens. The CPU kernel
+    reads each token's window alone (6 columns), a prompt's tokens as a decode row's. Through SDPA,
+    prefilled in 5-token chunks, a call reads at most a chunk and the window of its first token (10
+    columns); prefilled whole, the 13-token prompt is cut into blocks of 6 queries, each reading at most
+    2 x 6 - 1 columns; a decode row reads 6. Rows of different lengths decoding together still get a
+    plain forward's log-probs."""
     model = tiny_gemma3(tokenizer, ["sliding_attention", "sliding_attention"])
     widths = []
     sdpa = kv_cache.F.scaled_dot_product_attention
@@ -682,7 +665,7 @@ def test_sliding_window_layers_read_only_their_window(tokenizer, monkeypatch, ma
 
     bounds = kv_cache.Segment.bounds
 
-    def kernel_reads(self, window):  # the decode rows the kernel takes
+    def kernel_reads(self, window):  # the tokens the kernel takes
         start, end = bounds(self, window)
         widths.append(int((end - start).max()))
         return start, end
@@ -696,7 +679,7 @@ def test_sliding_window_layers_read_only_their_window(tokenizer, monkeypatch, ma
     monkeypatch.setattr(kv_cache.F, "scaled_dot_product_attention", sdpa)
     monkeypatch.setattr(kv_cache.Segment, "bounds", bounds)
     assert len(prompt) + len(out.token_ids) == 25
-    assert widths and max(widths) == widest
+    assert widths and max(widths) == (6 if decode_path == "kernel" else widest)
     assert widths[-1] == 6  # the last decode step: the window, of 24 columns
     assert_logprobs_match_a_plain_forward(model, [prompt], [out])
     prompts = [tokenizer.encode(SYSTEM)[:n] for n in (13, 7)]

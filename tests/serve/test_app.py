@@ -17,7 +17,7 @@ from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.serve import ServedModel, create_app
 from agent_r1.tools import calculator
-from tests.conftest import TOOL_ANSWER, TOOL_QUESTION, make_tiny_llama, serving
+from tests.conftest import TOOL_ANSWER, TOOL_QUESTION, make_tiny_llama, recorded_passes, serving
 
 NAME = "tool-model"
 
@@ -38,19 +38,6 @@ async def client(served):
     transport = httpx.ASGITransport(app=create_app(served))
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
         yield c
-
-
-def record_prefills(engine: LocalEngine) -> list:
-    """Spy on the engine's model: the number of prompts each forward pass that prefills prefills."""
-    rows = []
-
-    def hook(module, args, kwargs):
-        if "past_key_values" in kwargs and (chunks := [s for s in kwargs["past_key_values"].segments if not s.decode]):
-            rows.append(len(chunks))
-
-    engine.model._forward_pre_hooks.clear()
-    engine.model.register_forward_pre_hook(hook, with_kwargs=True)
-    return rows
 
 
 async def until_idle(engine: LocalEngine, timeout: float = 30) -> None:
@@ -206,12 +193,12 @@ async def test_bad_input_is_an_openai_style_4xx_and_the_server_keeps_serving(cli
 
 async def test_concurrent_requests_are_decoded_as_one_batch(client, served, tokenizer):
     served.engine.batch_wait_s = 0.2  # in-process requests all arrive well within this
-    prefills = record_prefills(served.engine)
     prompts = [tokenizer.encode(f"Question {i}") for i in range(4)]
     body = {"model": NAME, "max_tokens": 3, "temperature": 0}
-    rs = await asyncio.gather(*(client.post("/v1/completions", json=body | {"prompt": p}) for p in prompts))
+    with recorded_passes() as passes:
+        rs = await asyncio.gather(*(client.post("/v1/completions", json=body | {"prompt": p}) for p in prompts))
     assert all(r.status_code == 200 for r in rs)
-    assert prefills == [4]
+    assert [len(chunks) for _, chunks in passes if chunks] == [4]  # one pass prefills the four prompts
 
 
 async def test_a_request_past_its_deadline_is_a_504_and_its_row_is_dropped(served, tokenizer):
