@@ -211,11 +211,13 @@ class SlotCache(Cache):
         self.storage = dtype
         self.dtype: torch.dtype | None = dtype
         self.clean = 0  # columns 0..clean-1 of every slot hold finite values
+        self.written = 0  # no key or value was written at column `written` or beyond: what growth keeps
         # set by `packed` for one forward pass:
         self.slot_of: torch.Tensor | None = None  # [T] the slot of each token
         self.cols: torch.Tensor | None = None  # [T] the column its key and value go to
         self.segments: list[Segment] = []  # the tokens that attend together
         self.width = 0  # columns any segment reads
+        self.kernel_only = False  # every segment of the pass is the CPU kernel's: no column past a token's own is read
 
     @contextlib.contextmanager
     def packed(self, slot_of: torch.Tensor, cols: torch.Tensor, segments: list[Segment]) -> Iterator[None]:
@@ -223,6 +225,7 @@ class SlotCache(Cache):
         (slot_of[i], cols[i]), and attention runs per segment (`slot_attention`)."""
         self.slot_of, self.cols, self.segments = slot_of, cols, segments
         self.width = max(s.width for s in segments)
+        self.kernel_only = all(s.slot_of is not None for s in segments)
         reset = _ACTIVE.set(self)
         try:
             yield
@@ -256,30 +259,36 @@ class SlotCache(Cache):
         capacity = max(capacity, self.capacity)
         if self.buf is not None and (slots, capacity, dtype) == (self.slots, self.capacity, self.dtype):
             return
-        keep = min(slots, self.slots)
+        keep, held = min(slots, self.slots), max(self.clean, self.written)
         old, self.buf = self.buf, []
         for i in range(len(self.layers)):
             new = torch.empty((2, slots, self.kv_heads, capacity, self.head_dim), dtype=dtype, device=self.device)
             if old is not None:
-                new[:, :keep, :, : self.clean] = old[i][:, :keep, :, : self.clean]
+                new[:, :keep, :, :held] = old[i][:, :keep, :, :held]
                 old[i] = None  # freed before the next layer's buffer is allocated
             new[:, keep:, :, : self.clean] = 0
             self.buf.append(new)
         self.dtype = dtype
 
     def read_up_to(self, width: int) -> None:
-        """Make columns 0..width-1 of every slot finite before an attention reads them. Zeroed 64 columns
-        ahead (within the capacity): a decode step widens the batch by one column, and zeroing one
-        column of every slot and layer each step was 2% of a rollout (strided 256-byte writes)."""
+        """Make columns 0..width-1 of every slot finite before an SDPA attention reads them (behind its mask).
+        Zeroed 64 columns ahead (within the capacity): a decode step widens the batch by one column, and
+        zeroing one column of every slot and layer each step was 2% of a rollout (strided 256-byte writes).
+
+        Passes the CPU kernel takes whole skip this: each token reads only columns that hold keys, and the
+        zeroing (the first touch of every slot's pages, used or not) was 5% of a search rollout. Columns
+        such passes wrote hold keys beside never-written ones, so there the non-finite are made 0 instead."""
         if width > self.clean:
             width = min(self.capacity, -(-width // ZERO_AHEAD) * ZERO_AHEAD)
+            live = min(max(self.written, self.clean), width)
             for layer in self.buf:
-                layer[:, :, :, self.clean : width] = 0
+                layer[:, :, :, self.clean : live].nan_to_num_(0.0, 0.0, 0.0)  # the keys stay what they are
+                layer[:, :, :, live:width] = 0
             self.clean = width
 
     def release(self) -> None:
         """Free the buffer (the next `reserve` allocates a new one)."""
-        self.buf, self.clean = None, 0
+        self.buf, self.clean, self.written = None, 0, 0
 
     def move(self, src: int, dst: int, n: int) -> None:
         """Copy the first `n` columns of slot `src` to slot `dst`."""
@@ -326,7 +335,9 @@ class _SlotLayer(CacheLayerMixin):
         dtype = c.storage or value_states.dtype
         if c.buf is None or dtype != c.dtype:
             c.reserve(c.slots, c.capacity, dtype)
-        c.read_up_to(c.width)
+        if not c.kernel_only:
+            c.read_up_to(c.width)
+        c.written = max(c.written, c.width)
         layer = c.buf[self.index]  # [2, slots, H, capacity, D]
         layer[0][c.slot_of, :, c.cols] = key_states[0].transpose(0, 1).to(dtype)  # [T, H, D]
         layer[1][c.slot_of, :, c.cols] = value_states[0].transpose(0, 1).to(dtype)

@@ -169,6 +169,41 @@ def test_growth_moves_and_swaps_keep_what_slots_hold():
     assert cache.buf is None and cache.slots == 0
 
 
+def write(cache: SlotCache, slot: int, cols: range, value: float, kernel: bool) -> None:
+    """One packed pass's keys and values (all `value`) at `cols` of `slot`, as every layer writes them;
+    `kernel`: the pass is the CPU kernel's alone (its one segment carries each token's slot)."""
+    t = len(cols)
+    slot_of, col_t = torch.full((t,), slot), torch.tensor(list(cols))
+    segment = Segment(0, t, slot, True, col_t, cols[-1] + 1, cols[0], slot_of if kernel else None)
+    kv = torch.full((1, cache.kv_heads, t, cache.head_dim), value)
+    with cache.packed(slot_of, col_t, [segment]):
+        for layer in cache.layers:
+            layer.update(kv, kv)
+
+
+def test_kernel_passes_skip_the_zeroing_and_growth_and_a_later_sdpa_pass_keep_their_keys():
+    """A pass the CPU kernel takes whole reads only written columns, so nothing is zeroed for it (the
+    first touch of every slot's pages). Growing the buffer still keeps what such passes wrote, and an
+    SDPA pass after them makes the columns it may read finite without touching a key."""
+    cache = SlotCache(num_layers=2, kv_heads=1, head_dim=2, device="cpu")
+    cache.reserve(slots=2, capacity=8)
+    for layer in cache.buf:
+        layer.fill_(float("nan"))  # what torch.empty may hold
+    write(cache, 0, range(0, 5), 1.0, kernel=True)
+    assert cache.clean == 0 and cache.written == 5
+    cache.reserve(slots=3, capacity=16)
+    buf = torch.stack(cache.buf)  # [layers, 2, slots, kv_heads, capacity, head_dim]
+    assert (buf[:, :, 0, :, :5] == 1).all()  # growth copied the written columns
+    for layer in cache.buf:
+        layer[:, :, :, 5:].fill_(float("inf"))  # never written: anything
+        layer[:, 1:].fill_(float("nan"))
+    write(cache, 1, range(0, 3), 2.0, kernel=False)  # SDPA reads up to 3 columns of every slot, behind masks
+    buf = torch.stack(cache.buf)
+    assert cache.clean == 16 and buf.isfinite().all()  # 64 columns ahead, within the capacity
+    assert (buf[:, :, 0, :, :5] == 1).all() and (buf[:, :, 1, :, :3] == 2).all()  # the keys are kept
+    assert not buf[:, :, 0, :, 5:].any() and not buf[:, :, 2].any()  # the rest is zeros
+
+
 def test_growing_the_buffers_never_holds_a_second_whole_cache():
     """Growth used to allocate the new [layers, ...] buffer beside the old one, so for a moment the cache
     took its old size plus its new size (an eval's 4 GB cache, 8 GB and more). Now each layer's old
