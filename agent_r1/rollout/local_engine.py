@@ -1045,19 +1045,30 @@ def _sample(
     logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row, each with its own temperature and top-p; return ids [b] and their
-    log-probs [b] under logits / temperature (temperature 1 for greedy rows)."""
+    log-probs [b] under logits / temperature (temperature 1 for greedy rows).
+
+    The log-prob is z - logsumexp(z), as the trainer computes it (torch's fp32 log_softmax kernel on AVX-512
+    CPUs is ~10x less exact: 1e-5 over a 49k vocabulary against 1e-6, which alone broke the 1e-4 drift
+    check). logsumexp is computed here as torch does it (max, exp of the difference, sum, log), so its
+    exponentials serve as the sampled rows' unnormalised probabilities: ~4 passes over the [b, V] logits
+    a decode step, not ~9 (25 ms a step at 64 rows of SmolLM2's vocabulary)."""
     temperature = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)  # [b]
-    z = logits / temperature[:, None]  # [b, V]
-    # z - logsumexp(z), as the trainer computes them: torch's fp32 log_softmax kernel on AVX-512 CPUs is
-    # ~10x less exact (1e-5 over a 49k vocabulary against 1e-6), which alone broke the 1e-4 drift check
-    logp = z - torch.logsumexp(z, dim=-1, keepdim=True)  # [b, V]
-    tokens = logp.argmax(dim=-1)  # greedy rows keep these
+    z = logits if all(p.temperature in (0, 1) for p in params) else logits / temperature[:, None]  # [b, V]
+    m = z.amax(dim=-1, keepdim=True)  # [b, 1]
+    e = (z - m).exp_()  # [b, V] exp(z - max)
+    lse = e.sum(dim=-1, keepdim=True).log_().add_(m)  # [b, 1] = torch.logsumexp(z), op for op
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
     sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+    tokens = torch.zeros(len(params), dtype=torch.long, device=logits.device)
+    if greedy:
+        g = torch.tensor(greedy, device=logits.device)
+        tokens[g] = z[g].argmax(dim=-1)
     if sampled:
         idx = torch.tensor(sampled, device=logits.device)
-        probs = logp[idx].exp()  # [s, V]
+        probs = e if len(sampled) == len(params) else e[idx]  # [s, V] unnormalised: exp(z - max)
         top_p = torch.tensor([params[i].top_p for i in sampled], device=logits.device)[:, None]  # [s, 1]
         if (top_p < 1).any():  # nucleus: keep the smallest prefix of sorted tokens with mass >= top_p
+            probs = probs / probs.sum(-1, keepdim=True)
             sorted_p, order = probs.sort(dim=-1, descending=True)
             drop = (sorted_p.cumsum(-1) - sorted_p > top_p) & (top_p < 1)
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
@@ -1065,8 +1076,8 @@ def _sample(
         draws = torch.stack([torch.rand((), generator=gens[i], device="cpu") for i in sampled])  # [s]
         u = draws.to(cdf.device) * cdf[:, -1]  # one draw per row, seeded alike on every device
         picked = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
-        tokens = tokens.index_put((idx,), picked)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+        tokens[idx] = picked
+    return tokens, (z.gather(-1, tokens[:, None]) - lse).squeeze(-1)
 
 
 def _hits_stop(tokenizer: PreTrainedTokenizerBase, tail: list[int], stop: tuple[str, ...]) -> bool:

@@ -1,6 +1,7 @@
 import asyncio
 import copy
 import dataclasses
+import math
 import os
 import signal
 import subprocess
@@ -174,6 +175,30 @@ def test_seeded_rows_do_not_depend_on_batch_company(engine, tokenizer):
     other = engine.generate_batch(prompts[:1], params, seeds=[43])
     assert alone[0].token_ids == together[0].token_ids == again[0].token_ids
     assert other[0].token_ids != alone[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "temperature, top_p, expected",
+    [  # softmax([2, 1, 0, -1] / T) by hand; top-p keeps the smallest prefix of the sorted tokens with mass >= p
+        (1.0, 1.0, [0.6439, 0.2369, 0.0871, 0.0321]),
+        (0.5, 1.0, [0.8650, 0.1171, 0.0158, 0.0021]),
+        (1.0, 0.7, [0.7311, 0.2689, 0.0, 0.0]),
+    ],
+)
+def test_sampled_tokens_follow_the_tempered_nucleus_distribution(temperature, top_p, expected):
+    """4,000 rows, each its own generator, over four logits: the share of each token is its probability
+    (within 4 standard errors), and each log-prob is log softmax(z / T) of the token drawn."""
+    n, z = 4000, torch.tensor([2.0, 1.0, 0.0, -1.0])
+    params = [SamplingParams(temperature=temperature, top_p=top_p)] * n
+    gens = [torch.Generator().manual_seed(i) for i in range(n)]
+    tokens, logp = local_engine._sample(z.repeat(n, 1), params, gens)
+    share = torch.bincount(tokens, minlength=4).double() / n
+    for got, want in zip(share.tolist(), expected, strict=True):
+        assert abs(got - want) <= 4 * (want * (1 - want) / n) ** 0.5 + 1e-9, (share, expected)
+    exact = [
+        math.log(math.exp(v / temperature) / sum(math.exp(x / temperature) for x in z.tolist())) for v in z.tolist()
+    ]
+    assert (logp.double() - torch.tensor(exact, dtype=torch.float64)[tokens]).abs().max() < 1e-6
 
 
 def test_tiny_top_p_is_greedy(engine, tokenizer):
