@@ -9,7 +9,11 @@ bandwidth (a 256 MB sum), the floor for any kernel. `--kv-dtypes float32,bfloat1
 kernel over keys and values stored in bf16 (`LocalEngine(kv_cache_dtype=...)`, `agent-r1 serve`), each
 against SDPA over the same stored values widened to fp32.
 
+`--chunks 0:400,700:200` also times prompt chunks (tokens after held columns) through SDPA, as the engine
+ran them, against the kernel with a row a token, as it runs them now on the CPU in fp32.
+
     python benchmarks/attention.py [--rows 64] [--widths 64,256,630,1000] [--kv-dtypes float32]
+                                   [--chunks held:tokens,...]
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--widths", default="64,256,630,1000")
     parser.add_argument("--kv-dtypes", default="float32", help="comma-separated: float32, bfloat16")
+    parser.add_argument("--chunks", default="", help="held:tokens,... prompt chunks after held columns, also timed")
     args = parser.parse_args()
     torch.manual_seed(0)
     widths = [int(w) for w in args.widths.split(",")]
@@ -76,6 +81,35 @@ def main() -> None:
                 f"{sdpa / ours:.1f}x | "
                 f"{floor * 1e3:.2f} ms | {diff:.1e} |"
             )
+    if args.chunks:
+        chunks(args.chunks, kernel)
+
+
+def chunks(pairs: str, kernel) -> None:
+    """A prompt chunk's attention, as the engine ran it (SDPA over the chunk's slot: `is_causal` from column 0,
+    a boolean mask after held columns) against the kernel with each of the chunk's tokens as a row that
+    reads the slot up to its own column (what the engine does now on the CPU in fp32)."""
+    kv_heads, group, dim = 3, 3, 64
+    print("\n| held columns | chunk tokens | SDPA, masked | kernel, a row a token | speed-up | max difference |")
+    print("|---|---|---|---|---|---|")
+    for pair in pairs.split(","):
+        held, n = (int(x) for x in pair.split(":"))
+        width = held + n
+        k, v = torch.randn(2, 1, kv_heads, width, dim)  # one slot [1, Hkv, W, D] each
+        q = torch.randn(1, kv_heads * group, n, dim)  # [1, Hq, n, D] as the engine's pass holds it
+        cols = torch.arange(held, width)  # [n] the chunk's columns
+        mask = (torch.arange(width)[None] <= cols[:, None])[None, None] if held else None  # [1, 1, n, W]
+
+        def sdpa(q=q, k=k, v=v, mask=mask):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+
+        rows = q[0].transpose(0, 1).reshape(n, kv_heads, group, dim).contiguous()  # [n, Hkv, G, D]
+        out, slots = torch.empty_like(rows), torch.zeros(n, dtype=torch.long)
+        starts, ends = torch.zeros(n, dtype=torch.long), cols + 1
+        ours = timed(lambda: kernel(rows, k, v, slots, starts, ends, dim**-0.5, out))  # noqa: B023
+        theirs = timed(sdpa)
+        diff = (out - sdpa()[0].transpose(0, 1).reshape(n, kv_heads, group, dim)).abs().max().item()
+        print(f"| {held} | {n} | {theirs * 1e3:.2f} ms | {ours * 1e3:.2f} ms | {theirs / ours:.1f}x | {diff:.1e} |")
 
 
 if __name__ == "__main__":
