@@ -5,11 +5,12 @@ PyTorch's SDPA runs that as a batch of tiny GEMMs (~10 GB/s of fp32 keys on two 
 one width per call, so the engine cut the rows into segments (`local_engine._row_runs`). The kernel
 takes every decoding row of a pass in one call, each reading exactly its own columns, and reads a kv
 head's keys once for all the query heads that share it: 2-2.7x SDPA's speed at 64 rows of 64-1,000
-columns (`benchmarks/attention.py`, docs/benchmarks.md). It is the split of FlashDecoding (Dao et al.
-2023) by sequence and head, the work vLLM's CPU paged-attention kernel does over pages.
+columns with its portable loops, 3.2-5.7x with AVX-512 (`benchmarks/attention.py`, docs/benchmarks.md).
+It is the split of FlashDecoding (Dao et al. 2023) by sequence and head, the work vLLM's CPU
+paged-attention kernel does over pages.
 
 A prompt chunk's tokens are rows of the same call, each reading its slot up to its own column (causal
-attention, a query at a time): ~1.7-2x SDPA's flash kernel over a masked chunk, which on two cores
+attention, a query at a time): ~1.5-3x SDPA's flash kernel over a masked chunk, which on two cores
 reaches ~100 GFLOP/s with head_dim 64. The threads split the rows by the columns they read, so a
 chunk's long rows and the decoding rows' short ones are shared evenly.
 
@@ -25,8 +26,8 @@ Keys and values stored in bf16 (`LocalEngine(kv_cache_dtype=torch.bfloat16)`, `a
 kv_cache_dtype=bf16`) are widened to fp32 as they are read: a shift of each 16-bit value, in registers.
 
 On a CPU with AVX-512 and head_dim 64 or 128, intrinsics sum 16 keys' scores at a time and keep the
-weighted sum of the values in registers: 1.6x the portable loops over fp32 and 2.3x over bf16 at 416
-columns, 65-70% of the machine's read speed (docs/benchmarks.md). Every other CPU or shape runs the
+weighted sum of the values in registers: 1.7x the portable loops over fp32 and 2.4x over bf16 at 416
+columns, at the machine's read speed from ~400 columns (docs/benchmarks.md). Every other CPU or shape runs the
 portable loops, which the compiler vectorizes; `torch.ops.agent_r1.decode_attention_portable` runs
 them on any CPU, so the tests cover both.
 """
