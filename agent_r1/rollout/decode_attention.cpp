@@ -104,7 +104,7 @@ void scores_simd(const float* q, const T* k, int64_t ks, int64_t W, float scale,
   const __m512 sc = _mm512_set1_ps(scale);
   int64_t w = 0;
   for (; w + 16 <= W; w += 16) {
-    __m512 acc[G][16];  // 16 keys' products, a register each (the compiler keeps what does not fit in L1)
+    __m512 acc[G][16];  // 16 keys' products; what does not fit in the 32 registers the compiler spills to L1
     for (int j = 0; j < 16; ++j) {
       const T* kw = k + (w + j) * ks;
       for (int g = 0; g < G; ++g) acc[g][j] = _mm512_setzero_ps();
@@ -286,11 +286,8 @@ void decode_attention_portable(const at::Tensor& q, const at::Tensor& k, const a
   run(q, k, v, slots, starts, ends, scale, out, true);
 }
 
-#if defined(__AVX512F__)
-bool decode_attention_simd() { return true; }
-#else
-bool decode_attention_simd() { return false; }
-#endif
+// Whether this build has the intrinsics (for SmolLM2's shape: head_dim 64, 3 query heads a kv head)
+bool decode_attention_simd() { return simd_for<float>(3, 64).scores != nullptr; }
 
 }  // namespace
 

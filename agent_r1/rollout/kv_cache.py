@@ -217,7 +217,6 @@ class SlotCache(Cache):
         self.cols: torch.Tensor | None = None  # [T] the column its key and value go to
         self.segments: list[Segment] = []  # the tokens that attend together
         self.width = 0  # columns any segment reads
-        self.kernel_only = False  # every segment of the pass is the CPU kernel's: no column past a token's own is read
 
     @contextlib.contextmanager
     def packed(self, slot_of: torch.Tensor, cols: torch.Tensor, segments: list[Segment]) -> Iterator[None]:
@@ -225,13 +224,17 @@ class SlotCache(Cache):
         (slot_of[i], cols[i]), and attention runs per segment (`slot_attention`)."""
         self.slot_of, self.cols, self.segments = slot_of, cols, segments
         self.width = max(s.width for s in segments)
-        self.kernel_only = all(s.slot_of is not None for s in segments)
         reset = _ACTIVE.set(self)
         try:
             yield
         finally:
             _ACTIVE.reset(reset)
             self.slot_of, self.cols, self.segments = None, None, []
+
+    @property
+    def kernel_only(self) -> bool:
+        """Every segment of the pass is the CPU kernel's: no token reads a column past its own."""
+        return all(s.slot_of is not None for s in self.segments)
 
     @property
     def slots(self) -> int:
