@@ -197,15 +197,15 @@ def _trains_in_fp32_on_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-class _Recomputed:
-    """Base of the mixins: copies and pickles are of the original class (the rollout's copies never
-    train, and Ray ships CPU copies)."""
+class ForwardMixin:
+    """Base of the mixins (`mix_in`): copies and pickles are of the original class (the rollout's copies
+    never train, and Ray ships CPU copies)."""
 
     def __reduce_ex__(self, protocol):
         return _as_class, (self.__class__.__bases__[1], self.__dict__)
 
 
-class RecomputedSwiGLU(_Recomputed):
+class RecomputedSwiGLU(ForwardMixin):
     """Mixed into a Llama-family MLP class whose forward is one of `SWIGLU_FORWARDS`, with a SiLU: while
     training in fp32 on the CPU with a plain (not LoRA-wrapped) `down_proj`, the forward is
     `_SwiGLUDownFn`; otherwise the class's own."""
@@ -217,7 +217,7 @@ class RecomputedSwiGLU(_Recomputed):
         return super().forward(x)
 
 
-class LeanRMSNorm(_Recomputed):
+class LeanRMSNorm(ForwardMixin):
     """Mixed into a Llama-family RMSNorm class whose forward is `RMSNORM_FORWARD`: while training in fp32
     on the CPU its scaling is `_RMSNormScaleFn`; otherwise the class's own forward."""
 
@@ -248,15 +248,18 @@ RMSNORM_FORWARD = [
 _MIXED: dict[tuple[type, type], type | None] = {}  # (mixin, class) -> the mixed class; None: another forward
 
 
-def _mix_in(module: nn.Module, mixin: type, forwards: tuple[list[str], ...]) -> bool:
-    """Mix `mixin` into `module`'s class if the class's forward body is one of `forwards`; True if it was."""
+def mix_in(module: nn.Module, mixin: type, forwards: tuple[list[str], ...]) -> bool:
+    """Mix `mixin` into `module`'s class if the class's forward body (its statements after the signature,
+    a line each, stripped) is one of `forwards`; True if it was. The body, not the class, is checked: a
+    mixin stands in for exactly the code it was written against, whichever model family carries it."""
     cls = type(module)
     if (mixin, cls) not in _MIXED:
         try:
-            lines = [line.strip() for line in inspect.getsource(cls.forward).splitlines()[1:]]
+            lines = [line.strip() for line in inspect.getsource(cls.forward).splitlines()]
         except (OSError, TypeError):
             lines = []
-        same = [line for line in lines if line] in forwards
+        signature = next((i for i, line in enumerate(lines) if line.endswith(":")), len(lines))
+        same = [line for line in lines[signature + 1 :] if line] in forwards
         _MIXED[mixin, cls] = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__}) if same else None
     if _MIXED[mixin, cls] is None:
         return False
@@ -268,12 +271,12 @@ def _recompute_in_backward(module: nn.Module) -> bool:
     """Mix `RecomputedSwiGLU` into a SwiGLU MLP with a SiLU, or `LeanRMSNorm` into an RMSNorm; True if mixed."""
     from transformers.activations import SiLUActivation  # here: benchmarks/kernels.py is "kernels" to transformers
 
-    if isinstance(module, _Recomputed):
+    if isinstance(module, ForwardMixin):
         return False
     if isinstance(getattr(module, "act_fn", None), nn.SiLU | SiLUActivation):
-        return _mix_in(module, RecomputedSwiGLU, SWIGLU_FORWARDS)
+        return mix_in(module, RecomputedSwiGLU, SWIGLU_FORWARDS)
     if hasattr(module, "variance_epsilon") and isinstance(getattr(module, "weight", None), nn.Parameter):
-        return _mix_in(module, LeanRMSNorm, (RMSNORM_FORWARD,))
+        return mix_in(module, LeanRMSNorm, (RMSNORM_FORWARD,))
     return False
 
 

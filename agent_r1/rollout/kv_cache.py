@@ -47,6 +47,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from agent_r1.models.onednn import ForwardMixin, mix_in
 from agent_r1.rollout.decode_attention import kernel_for
 
 ZERO_AHEAD = 64  # columns `read_up_to` makes finite at a time
@@ -175,20 +176,108 @@ def _as_read(kv: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     return kv.to(query.dtype)
 
 
+# the attention forward bodies `FusedSlotAttention` stands in for: Llama (SmolLM2) and Qwen 2 (its window)
+_LLAMA_ATTENTION = [
+    "input_shape = hidden_states.shape[:-1]",
+    "hidden_shape = (*input_shape, -1, self.head_dim)",
+    "query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
+    "key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
+    "value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
+    "cos, sin = position_embeddings",
+    "query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)",
+    "if past_key_values is not None:",
+    "key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)",
+    "attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(",
+    "self.config._attn_implementation, eager_attention_forward",
+    ")",
+    "attn_output, attn_weights = attention_interface(",
+    "self,",
+    "query_states,",
+    "key_states,",
+    "value_states,",
+    "attention_mask,",
+    "dropout=0.0 if not self.training else self.attention_dropout,",
+    "scaling=self.scaling,",
+    "**kwargs,",
+    ")",
+    "attn_output = attn_output.reshape(*input_shape, -1).contiguous()",
+    "attn_output = self.o_proj(attn_output)",
+    "return attn_output, attn_weights",
+]
+_WINDOW = "sliding_window=self.sliding_window,  # main diff with Llama"
+ATTENTION_FORWARDS = (_LLAMA_ATTENTION, [*_LLAMA_ATTENTION[:20], _WINDOW, *_LLAMA_ATTENTION[20:]])
+
+
+class FusedSlotAttention(ForwardMixin):
+    """Mixed into a Llama-family attention class (`ATTENTION_FORWARDS`) by `use_slot_attention`: in a packed
+    pass that the CPU kernel takes whole, the layer's rotary embedding and its keys' and values' writes to
+    their slots are one C++ op (`rope_store`), and the kernel writes straight into what `o_proj` reads.
+    transformers' forward spends ~25 tensor ops a layer on views, the rotation's slices and concatenation,
+    two scattered writes and copies between layouts: at 64 decoding rows, small tensors whose overhead
+    was ~5% of a step. The results are bitwise the class's own forward's (tested). Every other forward
+    (the trainer's, SDPA's passes, bf16 autocast) is the class's own."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        cache = _ACTIVE.get()
+        if (
+            cache is None
+            or past_key_values is not cache
+            or not cache.kernel_only
+            or hidden_states.dtype != torch.float32
+            or kernel_for(cache.storage or torch.float32, hidden_states.device) is None
+        ):
+            return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        t, d = hidden_states.shape[1], self.head_dim  # hidden_states [1, T, hidden]: a packed pass
+        q = self.q_proj(hidden_states)[0].view(t, -1, d)  # [T, Hq, D]
+        k = self.k_proj(hidden_states)[0].view(t, -1, d)  # [T, H, D]
+        v = self.v_proj(hidden_states)[0].view(t, -1, d)
+        cos, sin = (x[0].contiguous() for x in position_embeddings)  # [T, D]
+        layer = cache.buffer_for(self.layer_idx, v.dtype)  # [2, slots, H, capacity, D]
+        torch.ops.agent_r1.rope_store(q, k, v, cos, sin, layer, cache.slot_of, cache.cols)  # q rotated in place
+        attend = kernel_for(layer.dtype, layer.device)
+        out = torch.empty_like(q)  # [T, Hq, D]
+        for seg in cache.segments:
+            tokens = slice(seg.token, seg.token + seg.count)
+            start, end = seg.bounds(getattr(self, "sliding_window", None))
+            grouped = (seg.count, k.shape[1], -1, d)  # [c, H, G, D]: a kv head's query heads together
+            attend(
+                q[tokens].view(grouped),
+                layer[0],
+                layer[1],
+                seg.slot_of,
+                start,
+                end,
+                self.scaling,
+                out[tokens].view(grouped),
+            )
+        return self.o_proj(out.view(1, t, -1)), None
+
+
 AttentionInterface.register(SLOT_ATTENTION, slot_attention)
 AttentionMaskInterface.register(SLOT_ATTENTION, sdpa_mask)  # the trainer's masks: as under SDPA
 
 
 def use_slot_attention(model: PreTrainedModel) -> None:
     """Make the language model's attention layers look up `slot_attention`: SDPA for every forward pass
-    but a `SlotCache.packed` one. A model on another implementation (eager, flash) is refused in one
-    line: its attention would change under the trainer too."""
+    but a `SlotCache.packed` one; Llama-family attention layers also get `FusedSlotAttention`. A model on
+    another implementation (eager, flash) is refused in one line: its attention would change under the
+    trainer too."""
     config = model.config.get_text_config()
     if config._attn_implementation not in ("sdpa", SLOT_ATTENTION):
         raise ValueError(
             f"LocalEngine needs a model loaded with attn_implementation='sdpa', not {config._attn_implementation!r}"
         )
     config._attn_implementation = SLOT_ATTENTION
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and hasattr(module, "q_proj") and not isinstance(module, ForwardMixin):
+            mix_in(module, FusedSlotAttention, ATTENTION_FORWARDS)
 
 
 class SlotCache(Cache):
@@ -273,6 +362,20 @@ class SlotCache(Cache):
             self.buf.append(new)
         self.dtype = dtype
 
+    def buffer_for(self, index: int, dtype: torch.dtype) -> torch.Tensor:
+        """Layer `index`'s buffer [2, slots, H, capacity, D], ready to take this pass's keys and values
+        (computed as `dtype`; stored as `storage` if set): in that dtype, its columns finite where SDPA
+        will read them."""
+        if self.slot_of is None:
+            raise RuntimeError("a SlotCache is only read inside SlotCache.packed (with slot attention)")
+        dtype = self.storage or dtype
+        if self.buf is None or dtype != self.dtype:
+            self.reserve(self.slots, self.capacity, dtype)
+        if not self.kernel_only:
+            self.read_up_to(self.width)
+        self.written = max(self.written, self.width)
+        return self.buf[index]
+
     def read_up_to(self, width: int) -> None:
         """Make columns 0..width-1 of every slot finite before an SDPA attention reads them (behind its mask).
         Zeroed 64 columns ahead (within the capacity): a decode step widens the batch by one column, and
@@ -331,19 +434,11 @@ class _SlotLayer(CacheLayerMixin):
         """Write the pass's new keys and values ([1, H, T, D]) at their slots and columns; return the
         layer's whole buffers ([slots, H, capacity, D]) for `slot_attention`."""
         c = self.cache
-        if c.slot_of is None:
-            raise RuntimeError("a SlotCache is only read inside SlotCache.packed (with slot attention)")
         # Under bf16 autocast the values are bf16 but the keys fp32 (RoPE's fp32 cos and sin promote
         # them); SDPA rounds both to bf16 anyway, so the keys are stored in the values' dtype.
-        dtype = c.storage or value_states.dtype
-        if c.buf is None or dtype != c.dtype:
-            c.reserve(c.slots, c.capacity, dtype)
-        if not c.kernel_only:
-            c.read_up_to(c.width)
-        c.written = max(c.written, c.width)
-        layer = c.buf[self.index]  # [2, slots, H, capacity, D]
-        layer[0][c.slot_of, :, c.cols] = key_states[0].transpose(0, 1).to(dtype)  # [T, H, D]
-        layer[1][c.slot_of, :, c.cols] = value_states[0].transpose(0, 1).to(dtype)
+        layer = c.buffer_for(self.index, value_states.dtype)  # [2, slots, H, capacity, D]
+        layer[0][c.slot_of, :, c.cols] = key_states[0].transpose(0, 1).to(layer.dtype)  # [T, H, D]
+        layer[1][c.slot_of, :, c.cols] = value_states[0].transpose(0, 1).to(layer.dtype)
         return layer[0], layer[1]  # not kept on the layer: a view would keep the buffer alive after `release`
 
     def get_seq_length(self) -> int:

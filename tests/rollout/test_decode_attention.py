@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from torch.utils import cpp_extension
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from agent_r1.rollout import decode_attention, kv_cache
 from agent_r1.rollout.decode_attention import kernel_for
 from agent_r1.rollout.engine import SamplingParams
+from agent_r1.rollout.kv_cache import Segment, SlotCache, use_slot_attention
 from agent_r1.rollout.local_engine import LocalEngine
-from tests.conftest import recompute_logprobs, record_kernel_segments
+from tests.conftest import make_tiny_llama, recompute_logprobs, record_kernel_segments
 
 
 def row_by_row(q, k, v, slots, starts, ends, scale):
@@ -123,3 +128,108 @@ def test_a_pass_that_chose_the_kernel_attends_row_by_row_when_it_is_gone(tiny_mo
     for p, o in zip(prompts, outs, strict=True):
         ref = recompute_logprobs(tiny_model, p + o.token_ids)[len(p) - 1 :]
         assert (ref - torch.tensor(o.logprobs)).abs().max().item() < 1e-4
+
+
+def kernel_pass(model, cache, feeds) -> torch.Tensor:
+    """One packed pass the kernel takes whole, as `LocalEngine._forward` lays it out: `feeds` is (slot, first
+    column, token ids) in token order. Returns the logits [T, V]."""
+    slots = [s for s, _, toks in feeds for _ in toks]
+    cols = torch.tensor([c for _, col, toks in feeds for c in range(col, col + len(toks))])
+    ids = [t for _, _, toks in feeds for t in toks]
+    seg = Segment(0, len(ids), slots[0], True, cols, int(cols.max()) + 1, int(cols.min()), torch.tensor(slots))
+    with cache.packed(torch.tensor(slots), cols, [seg]), torch.inference_mode():
+        out = model(
+            input_ids=torch.tensor([ids]), position_ids=cols[None],
+            attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool), past_key_values=cache, use_cache=True,
+        )  # fmt: skip
+    return out.logits[0]
+
+
+def tiny_qwen2(vocab_size: int) -> torch.nn.Module:
+    """A 2-layer Qwen 2 (biased q, k, v projections) whose second layer reads a 4-column sliding window."""
+    config = transformers.Qwen2Config(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(5)
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16])
+def test_rope_store_is_transformers_rotation_and_slot_write_bit_for_bit(storage):
+    """The fused op rotates the queries in place and writes each token's rotated key and its value at its
+    slot and column: bitwise what transformers' `apply_rotary_pos_emb` and `SlotCache`'s update give,
+    stored as fp32 or rounded to bf16."""
+    torch.manual_seed(0)
+    n, heads, kv_heads, dim, slots_n, capacity = 37, 9, 3, 64, 5, 50
+    q, k, v = torch.randn(n, heads, dim), torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)
+    angles = torch.rand(n, dim // 2) * 100
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()  # [n, D]
+    slots, cols = torch.randint(0, slots_n, (n,)), torch.randperm(capacity)[:n]
+    want_q, want_k = apply_rotary_pos_emb(q[None].transpose(1, 2), k[None].transpose(1, 2), cos[None], sin[None])
+    want = torch.zeros(2, slots_n, kv_heads, capacity, dim, dtype=storage)
+    want[0][slots, :, cols] = want_k[0].transpose(0, 1).to(storage)
+    want[1][slots, :, cols] = v.to(storage)
+    kernel_for(torch.float32, torch.device("cpu"))  # loads the library
+    got = torch.zeros_like(want)
+    torch.ops.agent_r1.rope_store(q, k, v, cos, sin, got, slots, cols)
+    assert torch.equal(q, want_q[0].transpose(0, 1)) and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="token 3 goes to column 50 of slot"):
+        torch.ops.agent_r1.rope_store(q, k, v, cos, sin, got, slots, torch.where(torch.arange(n) == 3, 50, cols))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fused_attention_is_the_layers_own_forward_bit_for_bit(tokenizer, family, monkeypatch):
+    """Kernel passes of prompts and of decoding rows beside a prompt chunk, through a Llama and through a
+    Qwen 2 with q, k, v biases and a sliding-window layer: the fused attention's logits and the keys and
+    values it stores are bitwise those of transformers' own forward over the same slots (`FusedSlotAttention`
+    off), and the trainer's forward is the class's own."""
+    vocab = len(tokenizer)
+    model = make_tiny_llama(vocab, seed=6) if family == "llama" else tiny_qwen2(vocab)
+    use_slot_attention(model)
+    attention = model.model.layers[0].self_attn
+    assert isinstance(attention, kv_cache.FusedSlotAttention)
+    assert type(copy.deepcopy(model).model.layers[0].self_attn) is type(attention).__bases__[1]  # copies: plain
+    torch.manual_seed(1)
+    p0, p1, p2 = (torch.randint(3, 100, (n,)).tolist() for n in (7, 12, 9))
+    passes = [
+        [(0, 0, p0), (1, 0, p1[:5])],
+        [(0, 7, [11]), (1, 5, p1[5:]), (2, 0, p2)],
+        [(0, 8, [12]), (1, 12, [13]), (2, 9, [14])],
+    ]
+
+    def run() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        cache = SlotCache(2, model.config.num_key_value_heads, model.config.hidden_size // 4, "cpu", torch.float32)
+        cache.reserve(slots=3, capacity=32)
+        return [kernel_pass(model, cache, feeds) for feeds in passes], cache.buf
+
+    fused_logits, fused_kv = run()
+    own = kv_cache.FusedSlotAttention.forward
+    monkeypatch.setattr(
+        kv_cache.FusedSlotAttention,
+        "forward",
+        lambda self, *a, **kw: super(kv_cache.FusedSlotAttention, self).forward(*a, **kw),
+    )
+    own_logits, own_kv = run()
+    assert all(torch.equal(a, b) for a, b in zip(fused_logits, own_logits, strict=True))
+    for slot, held in enumerate((9, 13, 10)):  # the columns each slot's keys and values were written to
+        assert all(
+            torch.equal(a[:, slot, :, :held], b[:, slot, :, :held]) for a, b in zip(fused_kv, own_kv, strict=True)
+        )
+    monkeypatch.setattr(kv_cache.FusedSlotAttention, "forward", own)
+    ids = torch.tensor([p1])
+    with torch.inference_mode():
+        assert torch.equal(model(input_ids=ids).logits, type(model).forward(model, input_ids=ids).logits)
+
+
+def test_attention_of_another_forward_is_left_as_it_is(tokenizer):
+    """Qwen 3 normalises its queries and keys before the rotation: not the forward the fused one stands in
+    for, so its attention keeps its class."""
+    config = transformers.Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = transformers.Qwen3ForCausalLM(config)
+    use_slot_attention(model)
+    assert type(model.model.layers[0].self_attn) is transformers.models.qwen3.modeling_qwen3.Qwen3Attention
