@@ -201,6 +201,24 @@ def test_sampled_tokens_follow_the_tempered_nucleus_distribution(temperature, to
     assert (logp.double() - torch.tensor(exact, dtype=torch.float64)[tokens]).abs().max() < 1e-6
 
 
+@pytest.mark.parametrize("vocab", [49152, 1300, 300])  # whole blocks; a tail block; fewer tokens than a block
+def test_the_two_level_inverse_cdf_picks_what_one_running_sum_picks(vocab):
+    """The sampler finds each draw's token block by block (`_inverse_cdf`): the token a running sum over the
+    whole row picks (in float64 here), but at rounding boundaries, and never one of zero mass, even for a
+    draw of 0 or just under 1."""
+    torch.manual_seed(vocab)
+    probs = (torch.randn(256, vocab) * 3).exp()  # [s, V] unnormalised
+    probs[:, ::7] = 0
+    probs[:, -40:] = 0  # the last tokens, and every seventh, without mass
+    draws = torch.rand(256)
+    draws[:3] = torch.tensor([0.0, 1 - 2**-24, 0.5])
+    cdf = probs.double().cumsum(-1)
+    want = torch.searchsorted(cdf, (draws.double() * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    got = local_engine._inverse_cdf(probs, draws)
+    assert (got != want).sum() <= 2 and got[0] == want[0] and got[1] == want[1]
+    assert (probs.gather(-1, got[:, None]) > 0).all()
+
+
 def test_tiny_top_p_is_greedy(engine, tokenizer):
     prompt = prompts_of(tokenizer)[1]
     (greedy,) = gen(engine, [prompt], max_new_tokens=8, temperature=0.0)
