@@ -7,7 +7,8 @@ decode side runs `--rows` distinct prompts of `--prompt-tokens` tokens through t
 decode forward passes (`engine.stats["decode_s"]`; prefill and sampling excluded: the prompts are
 prefilled in one pass before any row decodes). The engine keeps its weights in oneDNN's layout, as
 `agent-r1 serve` runs it (`pack_weights=True`; the trainer's rollouts do not). `--baseline REV` runs
-`LocalEngine` as it was at git revision REV first, in the same process, on the same prompts.
+`LocalEngine` as it was at git revision REV first, in the same process, on the same prompts, with the
+same prefill budget and packed weights where its constructor takes them.
 
 FLOPs per decoded token = 2 x (parameters of every matmul, the tied LM head included) + the attention
 over the context (4 x layers x hidden x context: scores and the weighted sum).
@@ -27,6 +28,7 @@ rollout's turns are).
 from __future__ import annotations
 
 import argparse
+import inspect
 import random
 import time
 
@@ -91,7 +93,12 @@ def main() -> None:
     prompts = [[rng.randrange(100, cfg.vocab_size) for _ in range(n)] for n in lengths]
     matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     context = sum(lengths) / len(lengths) + args.new_tokens / 2  # the average context a decoded token attends to
-    engines = [("previous", previous_engine_class(args.baseline), {}, False)] if args.baseline else []
+    engines = []
+    if args.baseline:  # run as the current one is, with what the previous engine's constructor takes of it
+        cls = previous_engine_class(args.baseline)
+        takes = inspect.signature(cls).parameters
+        kw = {"max_prefill_tokens": sum(lengths), "pack_weights": True}
+        engines.append(("previous", cls, {k: v for k, v in kw.items() if k in takes}, False))
     for portable in (False, True) if args.portable_kernel else (False,):
         for dtype in args.kv_cache_dtypes.split(","):
             # prefill, then decode only; the weights packed as `agent-r1 serve` keeps them
