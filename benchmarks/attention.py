@@ -12,8 +12,12 @@ against SDPA over the same stored values widened to fp32.
 `--chunks 0:400,700:200` also times prompt chunks (tokens after held columns) through SDPA, as the engine
 ran them, against the kernel with a row a token, as it runs them now on the CPU in fp32.
 
+`--layer 416` also times SmolLM2's first attention layer whole (projections, rotary embedding, slot
+writes, attention) for `--rows` decoding rows at that many columns: transformers' forward over the slots
+against `FusedSlotAttention`'s, alternated `--layer-repeats` times, with their outputs compared bit for bit.
+
     python benchmarks/attention.py [--rows 64] [--widths 64,256,630,1000] [--kv-dtypes float32]
-                                   [--chunks held:tokens,...]
+                                   [--chunks held:tokens,...] [--layer columns] [--layer-repeats 6]
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ def main() -> None:
     parser.add_argument("--widths", default="64,256,630,1000")
     parser.add_argument("--kv-dtypes", default="float32", help="comma-separated: float32, bfloat16")
     parser.add_argument("--chunks", default="", help="held:tokens,... prompt chunks after held columns, also timed")
+    parser.add_argument("--layer", type=int, default=0, help="columns: also time a whole attention layer, fused or not")
+    parser.add_argument("--layer-repeats", type=int, default=6)
     args = parser.parse_args()
     torch.manual_seed(0)
     widths = [int(w) for w in args.widths.split(",")]
@@ -83,6 +89,8 @@ def main() -> None:
             )
     if args.chunks:
         chunks(args.chunks, kernel)
+    if args.layer:
+        layer(args.rows, args.layer, args.layer_repeats)
 
 
 def chunks(pairs: str, kernel) -> None:
@@ -110,6 +118,45 @@ def chunks(pairs: str, kernel) -> None:
         theirs = timed(sdpa)
         diff = (out - sdpa()[0].transpose(0, 1).reshape(n, kv_heads, group, dim)).abs().max().item()
         print(f"| {held} | {n} | {theirs * 1e3:.2f} ms | {ours * 1e3:.2f} ms | {theirs / ours:.1f}x | {diff:.1e} |")
+
+
+def layer(rows: int, width: int, repeats: int) -> None:
+    """SmolLM2's first attention layer at a decode step of `rows` rows, each at column width - 1 of its own
+    slot: transformers' forward (over `slot_attention`) against `FusedSlotAttention`'s, alternated."""
+    from agent_r1.models.loading import load_model
+    from agent_r1.rollout import kv_cache
+
+    torch.set_grad_enabled(False)
+    model, _ = load_model("default")
+    kv_cache.use_slot_attention(model)
+    cfg, attention = model.config, model.model.layers[0].self_attn
+    cache = kv_cache.SlotCache(cfg.num_hidden_layers, cfg.num_key_value_heads, attention.head_dim, "cpu", torch.float32)
+    cache.reserve(rows, width)
+    for buf in cache.buf:
+        buf.normal_()
+    cache.written = width
+    cols, slots = torch.full((rows,), width - 1), torch.arange(rows)
+    segment = kv_cache.Segment(0, rows, 0, True, cols, width, width - 1, slots)
+    hidden = torch.randn(1, rows, cfg.hidden_size)
+    rope = model.model.rotary_emb(hidden, cols[None])
+    fused = kv_cache.FusedSlotAttention.forward
+
+    def own(self, *args, **kwargs):
+        return super(kv_cache.FusedSlotAttention, self).forward(*args, **kwargs)
+
+    def run(forward) -> tuple[float, torch.Tensor]:
+        kv_cache.FusedSlotAttention.forward = forward
+        with cache.packed(slots, cols, [segment]):
+            call = lambda: attention(hidden, position_embeddings=rope, past_key_values=cache)[0]  # noqa: E731
+            return timed(call, 100), call()
+
+    print(f"\nan attention layer, {rows} rows at {width} columns: transformers' forward against the fused one")
+    try:
+        for _ in range(repeats):
+            (a, out_a), (b, out_b) = run(own), run(fused)
+            print(f"  {a * 1e3:.2f} ms against {b * 1e3:.2f} ms; the same output: {torch.equal(out_a, out_b)}")
+    finally:
+        kv_cache.FusedSlotAttention.forward = fused
 
 
 if __name__ == "__main__":

@@ -30,6 +30,9 @@ weighted sum of the values in registers: 1.7x the portable loops over fp32 and 2
 columns, at the machine's read speed from ~400 columns (docs/benchmarks.md). Every other CPU or shape runs the
 portable loops, which the compiler vectorizes; `torch.ops.agent_r1.decode_attention_portable` runs
 them on any CPU, so the tests cover both.
+
+The same library holds `rope_store`: a layer's rotary embedding and its keys' and values' writes to their
+slots in one op, for `kv_cache.FusedSlotAttention`.
 """
 
 from __future__ import annotations

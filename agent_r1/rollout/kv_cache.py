@@ -28,6 +28,9 @@ reads its own slot with a causal mask offset by the columns it already holds. It
 transformers' `AttentionInterface` (`use_slot_attention`), and a forward pass outside `SlotCache.packed`
 (the trainer's) falls through to SDPA unchanged.
 
+In those kernel passes a Llama-family attention layer runs `FusedSlotAttention`: the rotary embedding and
+the slot writes in one C++ op, bitwise transformers' forward.
+
 `SlotCache` speaks transformers' `Cache` interface: `packed(slots, cols, segments)` says which slot and
 column each token's keys go to; each layer's `update` writes them there and returns the layer's whole
 buffer, which `slot_attention` reads by segment. Inference only.
