@@ -240,9 +240,9 @@ class FusedSlotAttention(ForwardMixin):
         ):
             return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
         t, d = hidden_states.shape[1], self.head_dim  # hidden_states [1, T, hidden]: a packed pass
-        q = self.q_proj(hidden_states)[0].view(t, -1, d)  # [T, Hq, D]
-        k = self.k_proj(hidden_states)[0].view(t, -1, d)  # [T, H, D]
-        v = self.v_proj(hidden_states)[0].view(t, -1, d)
+        q = self.q_proj(hidden_states)[0].reshape(t, -1, d)  # [T, Hq, D] (a view of a plain linear's output)
+        k = self.k_proj(hidden_states)[0].reshape(t, -1, d)  # [T, H, D]
+        v = self.v_proj(hidden_states)[0].reshape(t, -1, d)
         cos, sin = (x[0].contiguous() for x in position_embeddings)  # [T, D]
         layer = cache.buffer_for(self.layer_idx, v.dtype)  # [2, slots, H, capacity, D]
         torch.ops.agent_r1.rope_store(q, k, v, cos, sin, layer, cache.slot_of, cache.cols)  # q rotated in place
