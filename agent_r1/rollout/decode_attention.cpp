@@ -288,8 +288,8 @@ void decode_attention_portable(const at::Tensor& q, const at::Tensor& k, const a
 
 // Rotary embedding of a packed pass's queries and keys, and the keys and values stored at their slots and
 // columns: what transformers' `apply_rotary_pos_emb` and `SlotCache`'s update do in ~20 tensor ops a layer
-// (slices, a negation, a concatenation, products, sums, two scattered writes), in one pass over the tokens.
-// At 64 decoding rows those ops were ~5% of a step, nearly all of it their own overhead.
+// (slices, a negation, a concatenation, products, sums, two scattered writes), in one pass over the tokens
+// (`kv_cache.FusedSlotAttention`; what it saves: docs/benchmarks.md).
 //
 // The same floating-point operations in the same order as transformers' (x * cos + rotate_half(x) * sin, each
 // product rounded, no fused multiply-add), so the keys and the attention's queries are bitwise what they are
@@ -308,7 +308,7 @@ void rope_store_as(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   T* bp = buf.data_ptr<T>();
   const int64_t b0 = buf.stride(0), b1 = buf.stride(1), b2 = buf.stride(2), b3 = buf.stride(3);
   at::parallel_for(0, n, 16, [&](int64_t first, int64_t last) {
-    std::vector<float> x(D);
+    std::vector<float> x(D), rotated(D);
     for (int64_t i = first; i < last; ++i) {
       const float* c = cs + i * D;
       const float* s = sn + i * D;
@@ -326,7 +326,6 @@ void rope_store_as(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
       for (int64_t h = 0; h < Hq; ++h) rotate(qp + (i * Hq + h) * D, qp + (i * Hq + h) * D);
       T* key = bp + sp[i] * b1 + cp[i] * b3;
       T* value = key + b0;
-      std::vector<float> rotated(D);
       for (int64_t h = 0; h < H; ++h) {
         rotate(kp + (i * H + h) * D, rotated.data());
         const float* vh = vp + (i * H + h) * D;

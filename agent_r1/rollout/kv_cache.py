@@ -135,17 +135,18 @@ def slot_attention(
     for seg in cache.segments:
         if seg.slot_of is not None:  # every token (decoding rows, prompt chunks) in one call of the CPU kernel
             tokens = slice(seg.token, seg.token + seg.count)
-            grouped = q[:, tokens].transpose(0, 1).reshape(seg.count, key.shape[1], -1, q.shape[2]).contiguous()
-            o = torch.empty_like(grouped)  # [c, Hkv, G, D]
-            start, end = seg.bounds(window)
+            q_rows = q[:, tokens].transpose(0, 1).contiguous()  # [c, Hq, D]
             kernel = kernel_for(key.dtype, key.device) if q.dtype == torch.float32 else None
             if kernel is not None:
-                kernel(grouped, key, value, seg.slot_of, start, end, scale or q.shape[2] ** -0.5, o)
-            else:  # the cache's dtype changed after the pass chose the kernel (it follows the values'): row by row
-                for j, (s, a, b) in enumerate(zip(seg.slot_of.tolist(), start.tolist(), end.tolist(), strict=True)):
-                    k, v = _as_read(key[s, :, a:b], q), _as_read(value[s, :, a:b], q)
-                    o[j] = F.scaled_dot_product_attention(grouped[j], k, v, scale=scale)
-            out[tokens] = o.reshape(seg.count, -1, q.shape[2])
+                _kernel_attention(kernel, q_rows, key, value, seg, window, scale or q.shape[2] ** -0.5, out[tokens])
+                continue
+            # the cache's dtype changed after the pass chose the kernel (it follows the values'): row by row
+            grouped = q_rows.view(seg.count, key.shape[1], -1, q.shape[2])  # [c, Hkv, G, D]
+            start, end = seg.bounds(window)
+            for j, (s, a, b) in enumerate(zip(seg.slot_of.tolist(), start.tolist(), end.tolist(), strict=True)):
+                k, v = _as_read(key[s, :, a:b], q), _as_read(value[s, :, a:b], q)
+                o = F.scaled_dot_product_attention(grouped[j], k, v, scale=scale)  # [Hkv, G, D]
+                out[seg.token + j] = o.reshape(-1, q.shape[2])
             continue
         for tokens, cols, mask in seg.blocks(window):
             if seg.decode:  # each row reads its own slot, only up to the segment's longest row
@@ -168,6 +169,24 @@ def slot_attention(
                 )  # fmt: skip
                 out[tokens] = o[0].transpose(0, 1)
     return out[None], None
+
+
+def _kernel_attention(
+    kernel,
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    seg: Segment,
+    window: int | None,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """A kernel segment's tokens q [c, Hq, D] over a layer's key and value buffers [slots, Hkv, capacity, D],
+    each reading its own slot's columns up to its own (within `window`), into out [c, Hq, D]; q and out
+    contiguous. A kv head's G query heads go together: its keys are read once for them (GQA)."""
+    grouped = (seg.count, key.shape[1], -1, q.shape[-1])  # [c, Hkv, G, D]
+    start, end = seg.bounds(window)
+    kernel(q.view(grouped), key, value, seg.slot_of, start, end, scale, out.view(grouped))
 
 
 def _as_read(kv: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
@@ -231,37 +250,23 @@ class FusedSlotAttention(ForwardMixin):
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
         cache = _ACTIVE.get()
-        if (
-            cache is None
-            or past_key_values is not cache
-            or not cache.kernel_only
-            or hidden_states.dtype != torch.float32
-            or kernel_for(cache.storage or torch.float32, hidden_states.device) is None
-        ):
+        fused = cache is not None and past_key_values is cache and cache.kernel_only
+        dtype = hidden_states.dtype
+        attend = kernel_for(cache.storage or dtype, hidden_states.device) if fused and dtype == torch.float32 else None
+        if attend is None:
             return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
         t, d = hidden_states.shape[1], self.head_dim  # hidden_states [1, T, hidden]: a packed pass
         q = self.q_proj(hidden_states)[0].reshape(t, -1, d)  # [T, Hq, D] (a view of a plain linear's output)
         k = self.k_proj(hidden_states)[0].reshape(t, -1, d)  # [T, H, D]
         v = self.v_proj(hidden_states)[0].reshape(t, -1, d)
         cos, sin = (x[0].contiguous() for x in position_embeddings)  # [T, D]
-        layer = cache.buffer_for(self.layer_idx, v.dtype)  # [2, slots, H, capacity, D]
+        layer = cache.buffer_for(self.layer_idx, v.dtype)  # [2, slots, H, capacity, D] in the dtype `attend` reads
         torch.ops.agent_r1.rope_store(q, k, v, cos, sin, layer, cache.slot_of, cache.cols)  # q rotated in place
-        attend = kernel_for(layer.dtype, layer.device)
         out = torch.empty_like(q)  # [T, Hq, D]
+        window = getattr(self, "sliding_window", None)
         for seg in cache.segments:
             tokens = slice(seg.token, seg.token + seg.count)
-            start, end = seg.bounds(getattr(self, "sliding_window", None))
-            grouped = (seg.count, k.shape[1], -1, d)  # [c, H, G, D]: a kv head's query heads together
-            attend(
-                q[tokens].view(grouped),
-                layer[0],
-                layer[1],
-                seg.slot_of,
-                start,
-                end,
-                self.scaling,
-                out[tokens].view(grouped),
-            )
+            _kernel_attention(attend, q[tokens], layer[0], layer[1], seg, window, self.scaling, out[tokens])
         return self.o_proj(out.view(1, t, -1)), None
 
 
