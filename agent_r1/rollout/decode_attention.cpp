@@ -62,10 +62,26 @@ void scores_any(int64_t G, const float* q, const T* k, int64_t ks, int64_t W, in
 }
 
 // The scores and the weighted sum of one (row, kv head) with intrinsics; null: the portable loops above
+// A tile: up to 16 consecutive tokens of one prompt chunk (one slot, each reading one column more than the
+// one before), one query head; what `chunk_tile` needs to know about it.
+struct Tile {
+  const float* q;     // the first token's query for this head
+  int64_t q_stride;   // from one token's query to the next
+  float* o;           // the first token's output for this head
+  int64_t m;          // tokens, 1 .. 16
+  int64_t start;      // the first column any token reads (the first token's start: starts never fall)
+  const int64_t* a;   // [m] each token's first column
+  const int64_t* b;   // [m] each token's end column
+};
+
 template <typename T>
 struct Simd {
   void (*scores)(const float*, const T*, int64_t, int64_t, float, float*) = nullptr;
   void (*values)(const float*, const T*, int64_t, int64_t, float*) = nullptr;
+  // a tile of chunk tokens for `chunk_heads` query heads over keys and values from its start (row strides ks,
+  // vs), with scratch [chunk_heads, W, 16] floats
+  void (*chunk)(const Tile&, const T*, int64_t, const T*, int64_t, float, float*) = nullptr;
+  int chunk_heads = 0;
 };
 
 #if defined(__AVX512F__)
@@ -146,16 +162,134 @@ void values_simd(const float* p, const T* v, int64_t vs, int64_t W, float* o) {
     for (int c = 0; c < ND; ++c) _mm512_storeu_ps(o + (g * ND + c) * 16, acc[g][c]);
 }
 
+// e^x for 16 lanes: 2^n * e^r with n = round(x / ln 2) and |r| <= ln 2 / 2, e^r by its Taylor series to r^7
+// (relative error < 2e-8 before rounding, at the level of libm's expf); scalef gives 0 where 2^n underflows
+// (x = -inf included).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // e^-104 is 0 in fp32; keeps n finite
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln 2 in two parts: r exact
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 y = _mm512_set1_ps(1.f / 5040);
+  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(y, n);
+}
+
+// A tile of a prompt chunk: 16 tokens' queries for one query head in the 16 lanes of a register, so that each
+// key is read once for all of them (a row a token read it once per token: a chunk of k tokens reads its
+// keys k times, from L2 or L3, and on a machine reading 19 GB/s that made a 1,000-token chunk slower than
+// SDPA's flash kernel). The scores are then a small GEMM, [16, D] x [D, keys], with the queries transposed
+// (QT[d] = 16 lanes) and each key element broadcast to G x R accumulators (the G query heads of the kv
+// head, R keys); the softmax runs lane by lane; the weighted sum of the values is a second GEMM, J of the
+// head's dims at a time.
+//
+// Each lane's sums depend on its own query and columns only (in column order; masked columns add exact
+// zeros), so a token gets the same output bit for bit whatever tile it falls in: however a pass cut its
+// prompt into chunks, whichever tokens share its tile. Only the order of the fp32 additions differs from a
+// row's (~1e-7).
+template <int G, int ND, typename T>
+void chunk_tile(const Tile& t, const T* k, int64_t ks, const T* v, int64_t vs, float scale, float* s) {
+  constexpr int64_t D = ND * 16;
+  constexpr int R = G == 1 ? 16 : G == 2 ? 12 : G == 3 ? 8 : 6;  // G x R accumulators: FMA chains in flight
+  constexpr int J = G == 1 ? 16 : G <= 3 ? 8 : 4;                 // G x J accumulators of the weighted sums
+  const int64_t W = t.b[t.m - 1] - t.start;
+  alignas(64) float qt[G * D * 16];  // [g, d, lane]
+  for (int g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t l = 0; l < 16; ++l) qt[(g * D + d) * 16 + l] = l < t.m ? t.q[l * t.q_stride + g * D + d] : 0.f;
+  const __m512 sc = _mm512_set1_ps(scale);
+  auto sg = [&](int g, int64_t w) { return s + (g * W + w) * 16; };  // [g, w, lane]: the scores, then weights
+  int64_t w = 0;
+  for (; w + R <= W; w += R) {  // sg(g, w) = the 16 lanes' scores for key w, summed over d in order
+    __m512 acc[G][R];
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < R; ++r) acc[g][r] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      __m512 qd[G];
+      for (int g = 0; g < G; ++g) qd[g] = _mm512_load_ps(qt + (g * D + d) * 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 kd = _mm512_set1_ps(widen(k[(w + r) * ks + d]));
+        for (int g = 0; g < G; ++g) acc[g][r] = _mm512_fmadd_ps(qd[g], kd, acc[g][r]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < R; ++r) _mm512_storeu_ps(sg(g, w + r), _mm512_mul_ps(acc[g][r], sc));
+  }
+  for (; w < W; ++w) {
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m512 kd = _mm512_set1_ps(widen(k[w * ks + d]));
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_load_ps(qt + (g * D + d) * 16), kd, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(sg(g, w), _mm512_mul_ps(acc[g], sc));
+  }
+  // the softmax of each lane over its own columns [a, b), the others exact zeros: every lane reads the columns
+  // [full_lo, full_hi), only the few at either side need a mask
+  alignas(64) float lo[16], hi[16];
+  int64_t full_lo = 0, full_hi = W;
+  for (int64_t l = 0; l < 16; ++l) {
+    lo[l] = l < t.m ? static_cast<float>(t.a[l] - t.start) : 0.f;  // a padding lane reads nothing
+    hi[l] = l < t.m ? static_cast<float>(t.b[l] - t.start) : 0.f;
+    if (l < t.m) full_lo = std::max(full_lo, t.a[l] - t.start), full_hi = std::min(full_hi, t.b[l] - t.start);
+  }
+  full_hi = std::max(full_hi, full_lo);
+  const __m512 lov = _mm512_load_ps(lo), hiv = _mm512_load_ps(hi);
+  auto reads = [&](int64_t w) -> __mmask16 {  // the lanes that read column w
+    const __m512 x = _mm512_set1_ps(static_cast<float>(w));
+    return _mm512_cmp_ps_mask(x, lov, _CMP_GE_OQ) & _mm512_cmp_ps_mask(x, hiv, _CMP_LT_OQ);
+  };
+  __m512 iv[G];  // 1 / each lane's sum of weights
+  for (int g = 0; g < G; ++g) {
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (w = 0; w < full_lo; ++w) mx = _mm512_mask_max_ps(mx, reads(w), mx, _mm512_loadu_ps(sg(g, w)));
+    for (; w < full_hi; ++w) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg(g, w)));
+    for (; w < W; ++w) mx = _mm512_mask_max_ps(mx, reads(w), mx, _mm512_loadu_ps(sg(g, w)));
+    mx = _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << t.m) - 1), mx);  // a padding lane: 0, not -inf
+    __m512 total = _mm512_setzero_ps();
+    for (w = 0; w < W; ++w) {
+      __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg(g, w)), mx));
+      if (w < full_lo || w >= full_hi) e = _mm512_maskz_mov_ps(reads(w), e);
+      _mm512_storeu_ps(sg(g, w), e);
+      total = _mm512_add_ps(total, e);  // lane by lane, in column order
+    }
+    iv[g] = _mm512_div_ps(_mm512_set1_ps(1.f), total);
+  }
+  for (int64_t c = 0; c < D; c += J) {  // o[l, g, c + j] = sum_w sg(g, w)[l] * v[w, c + j] / total[l]
+    __m512 acc[G][J];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < J; ++j) acc[g][j] = _mm512_setzero_ps();
+    for (w = 0; w < W; ++w) {
+      __m512 p[G];
+      for (int g = 0; g < G; ++g) p[g] = _mm512_loadu_ps(sg(g, w));
+      const T* vw = v + w * vs + c;
+      for (int j = 0; j < J; ++j) {
+        const __m512 x = _mm512_set1_ps(widen(vw[j]));
+        for (int g = 0; g < G; ++g) acc[g][j] = _mm512_fmadd_ps(p[g], x, acc[g][j]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      alignas(64) float ot[J * 16];  // [j, lane]
+      for (int j = 0; j < J; ++j) _mm512_store_ps(ot + j * 16, _mm512_mul_ps(acc[g][j], iv[g]));
+      for (int64_t l = 0; l < t.m; ++l)
+        for (int j = 0; j < J; ++j) t.o[l * t.q_stride + g * D + c + j] = ot[j * 16 + l];
+    }
+  }
+}
+
 // The intrinsics for (G, head_dim) where they exist: the G x ND sums of the values must fit in the 32
 // registers beside a value and G weights
 template <typename T, int ND>
 Simd<T> simd_for_group(int64_t G) {
   switch (G) {
-    case 1: return {scores_simd<1, ND, T>, values_simd<1, ND, T>};
-    case 2: return {scores_simd<2, ND, T>, values_simd<2, ND, T>};
-    case 3: return {scores_simd<3, ND, T>, values_simd<3, ND, T>};
-    case 4: return ND * 4 <= 24 ? Simd<T>{scores_simd<4, ND, T>, values_simd<4, ND, T>} : Simd<T>{};
-    default: return {};
+    case 1: return {scores_simd<1, ND, T>, values_simd<1, ND, T>, chunk_tile<1, ND, T>, 1};
+    case 2: return {scores_simd<2, ND, T>, values_simd<2, ND, T>, chunk_tile<2, ND, T>, 2};
+    case 3: return {scores_simd<3, ND, T>, values_simd<3, ND, T>, chunk_tile<3, ND, T>, 3};
+    case 4: return ND * 4 <= 24 ? Simd<T>{scores_simd<4, ND, T>, values_simd<4, ND, T>, chunk_tile<4, ND, T>, 4}
+                                : Simd<T>{nullptr, nullptr, chunk_tile<4, ND, T>, 4};
+    default:  // more query heads a kv head than any bundled model has: a tile one query head at a time
+      return {nullptr, nullptr, chunk_tile<1, ND, T>, 1};
   }
 }
 
@@ -168,30 +302,96 @@ template <typename T>
 Simd<T> simd_for(int64_t, int64_t) { return {}; }  // the portable loops only
 #endif
 
-// Job boundaries (a job: one row and kv head, in order) that give each thread the same number of columns to
-// read: a prompt chunk's tokens read hundreds or thousands of columns each, a decoding row's as few as one,
-// and an even split of the jobs would leave one thread waiting on the other.
-std::vector<int64_t> balanced_split(const int64_t* ap, const int64_t* bp, int64_t n, int64_t H) {
+// What a thread takes: a decoding row (or a lone prompt token), or a tile of up to 16 consecutive tokens of a
+// prompt chunk (`chunk_tile`), for one kv head.
+struct Unit {
+  int64_t row, m;  // rows row .. row + m - 1
+  bool tile;
+};
+
+// The rows as units: a run of rows in one slot, each reading one column more than the one before, is a
+// prompt chunk (two decoding rows never share a slot), cut into tiles of 16 where the build has them.
+std::vector<Unit> units_of(const int64_t* sp, const int64_t* ap, const int64_t* bp, int64_t n, bool tiles) {
+  std::vector<Unit> units;
+  for (int64_t i = 0; i < n;) {
+    int64_t j = i + 1;
+    while (tiles && j < n && sp[j] == sp[i] && bp[j] == bp[j - 1] + 1 && ap[j] >= ap[j - 1]) ++j;
+    if (j - i == 1) {
+      units.push_back({i, 1, false});
+    } else {
+      for (int64_t r = i; r < j; r += 16) units.push_back({r, std::min<int64_t>(16, j - r), true});
+    }
+    i = j;
+  }
+  return units;
+}
+
+// Job boundaries (a job: one unit and kv head, in order) that give each thread about the same work: a prompt
+// chunk's tokens read hundreds or thousands of columns each, a decoding row's as few as one, and an even split
+// of the jobs would leave one thread waiting on the other.
+std::vector<int64_t> balanced_split(const std::vector<Unit>& units, const int64_t* ap, const int64_t* bp, int64_t H) {
+  const int64_t n = static_cast<int64_t>(units.size());
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n * H));
   constexpr int64_t kJobCost = 16;  // a job's own cost beside its columns (its softmax, its output)
+  constexpr int64_t kTileCost = 2;  // a tile of 16 tokens costs about as much as this many rows (measured)
+  auto cost = [&](const Unit& u) {
+    const int64_t W = bp[u.row + u.m - 1] - ap[u.row];
+    return (W + kJobCost) * (u.tile ? kTileCost : 1);
+  };
   int64_t total = 0;
-  for (int64_t i = 0; i < n; ++i) total += (bp[i] - ap[i] + kJobCost) * H;
+  for (const Unit& u : units) total += cost(u) * H;
   std::vector<int64_t> split{0};
   int64_t done = 0;
   for (int64_t job = 0; job < n * H && static_cast<int64_t>(split.size()) < threads; ++job) {
-    const int64_t i = job / H;
-    done += bp[i] - ap[i] + kJobCost;
+    done += cost(units[job / H]);
     if (done * threads >= total * static_cast<int64_t>(split.size())) split.push_back(job + 1);
   }
   split.push_back(n * H);
   return split;
 }
 
+// One row's attention for kv head h: the G query heads' scores over its columns, their softmax, the weighted sum
+template <typename T>
+void attend_row(const Simd<T>& simd, const float* q, const T* k, int64_t ks, const T* v, int64_t vs, int64_t G,
+                int64_t D, int64_t W, float sc, float* p, float* o) {
+  if (simd.scores)
+    simd.scores(q, k, ks, W, sc, p);
+  else
+    scores_any(G, q, k, ks, W, D, sc, p);
+  for (int64_t g = 0; g < G; ++g) {  // softmax over the row's columns
+    float* pg = p + g * W;
+    float m = pg[0];
+    for (int64_t w = 1; w < W; ++w) m = pg[w] > m ? pg[w] : m;
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t w = 0; w < W; ++w) {
+      pg[w] = std::exp(pg[w] - m);
+      total += pg[w];
+    }
+    const float inv = 1.f / total;
+    for (int64_t w = 0; w < W; ++w) pg[w] *= inv;
+  }
+  if (simd.values) {  // the weighted sum of values, each value loaded once
+    simd.values(p, v, vs, W, o);
+    return;
+  }
+  for (int64_t x = 0; x < G * D; ++x) o[x] = 0.f;
+  for (int64_t w = 0; w < W; ++w) {
+    const T* vw = v + w * vs;
+    for (int64_t g = 0; g < G; ++g) {
+      const float pw = p[g * W + w];
+      float* og = o + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) og[d] += pw * widen(vw[d]);
+    }
+  }
+}
+
 // The work of `decode_attention` for keys and values stored as T (checked by the caller).
 template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* sp, const int64_t* ap,
             const int64_t* bp, float sc, const at::Tensor& out, bool portable) {
-  const int64_t n = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
+  const int64_t H = q.size(1), G = q.size(2), D = q.size(3);
   const Simd<T> simd = portable ? Simd<T>{} : simd_for<T>(G, D);
   const float* qp = q.data_ptr<float>();
   const T* kp = k.data_ptr<T>();
@@ -199,45 +399,23 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   float* op = out.data_ptr<float>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
-  const std::vector<int64_t> split = balanced_split(ap, bp, n, H);
+  const std::vector<Unit> units = units_of(sp, ap, bp, q.size(0), simd.chunk != nullptr);
+  const std::vector<int64_t> split = balanced_split(units, ap, bp, H);
   at::parallel_for(0, static_cast<int64_t>(split.size()) - 1, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> buf;  // [G, W] the scores, then the weights
+    std::vector<float> buf;  // a row's [G, W] scores, then weights; a tile's [W, 16]
     for (int64_t job = split[first]; job < split[last]; ++job) {
-      const int64_t i = job / H, h = job % H, s = sp[i], a = ap[i], W = bp[i] - a;
-      buf.resize(G * W);
-      float* p = buf.data();
-      if (simd.scores)
-        simd.scores(qp + job * G * D, kp + s * ks0 + h * ks1 + a * ks2, ks2, W, sc, p);
-      else
-        scores_any(G, qp + job * G * D, kp + s * ks0 + h * ks1 + a * ks2, ks2, W, D, sc, p);
-      for (int64_t g = 0; g < G; ++g) {  // softmax over the row's columns
-        float* pg = p + g * W;
-        float m = pg[0];
-        for (int64_t w = 1; w < W; ++w) m = pg[w] > m ? pg[w] : m;
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t w = 0; w < W; ++w) {
-          pg[w] = std::exp(pg[w] - m);
-          total += pg[w];
-        }
-        const float inv = 1.f / total;
-        for (int64_t w = 0; w < W; ++w) pg[w] *= inv;
-      }
-      float* o = op + job * G * D;  // the weighted sum of values, each value loaded once
+      const Unit& u = units[job / H];
+      const int64_t h = job % H, i = u.row, s = sp[i], a = ap[i], W = bp[i + u.m - 1] - a;
+      const T* kb = kp + s * ks0 + h * ks1 + a * ks2;
       const T* vb = vp + s * vs0 + h * vs1 + a * vs2;
-      if (simd.values) {
-        simd.values(p, vb, vs2, W, o);
+      buf.resize((u.tile ? 16 : 1) * G * W);
+      if (!u.tile) {
+        attend_row(simd, qp + (i * H + h) * G * D, kb, ks2, vb, vs2, G, D, W, sc, buf.data(), op + (i * H + h) * G * D);
         continue;
       }
-      for (int64_t x = 0; x < G * D; ++x) o[x] = 0.f;
-      for (int64_t w = 0; w < W; ++w) {
-        const T* vw = vb + w * vs2;
-        for (int64_t g = 0; g < G; ++g) {
-          const float pw = p[g * W + w];
-          float* og = o + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) og[d] += pw * widen(vw[d]);
-        }
+      for (int64_t g = 0; g < G; g += simd.chunk_heads) {
+        const int64_t at = (i * H + h) * G * D + g * D;
+        simd.chunk({qp + at, H * G * D, op + at, u.m, a, ap + i, bp + i}, kb, ks2, vb, vs2, sc, buf.data());
       }
     }
   });

@@ -55,6 +55,72 @@ def test_each_row_attends_to_exactly_its_columns_of_its_slot(group, dim, path):
     assert (out[0] == v[5, :, 0, None]).all()  # one column: its value, whatever the score
 
 
+def chunk_rows(slot: int, held: int, count: int, window: int | None = None):
+    """A prompt chunk's rows as the engine passes them: `count` tokens of `slot` after `held` columns, token j
+    reading its slot up to its own column (from its window's first, in a sliding-window layer)."""
+    ends = torch.arange(held + 1, held + count + 1)
+    starts = torch.zeros_like(ends) if window is None else (ends - window).clamp(min=0)
+    return torch.full((count,), slot), starts, ends
+
+
+@pytest.mark.parametrize("path", ["kernel", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128, 48])  # 48: no tiles, a row a token
+@pytest.mark.parametrize("group", [1, 3, 4, 6])  # the tiles' unrolled head counts, and one a head at a time
+def test_prompt_chunks_beside_decoding_rows_attend_causally(group, dim, dtype, path):
+    """Chunks of 17, 40, 2 and 16 tokens (whole tiles of 16, a remainder with padding lanes), one through a
+    window, after held columns or from column 0, between decoding rows of other slots: each token's output
+    is SDPA's over exactly its own columns, to fp32 rounding."""
+    torch.manual_seed(group * dim)
+    k, v = torch.randn(2, 6, 2, 120, dim).to(dtype)  # [slots, Hkv, capacity, D] each
+    parts = [
+        (torch.tensor([4]), torch.tensor([0]), torch.tensor([30])),  # a decoding row
+        chunk_rows(0, 0, 17),
+        chunk_rows(1, 50, 40, window=24),
+        (torch.tensor([5]), torch.tensor([0]), torch.tensor([7])),
+        chunk_rows(2, 3, 2),
+        chunk_rows(3, 80, 16),
+    ]
+    slots, starts, ends = (torch.cat(x) for x in zip(*parts, strict=True))
+    q = torch.randn(len(slots), 2, group, dim)
+    out = torch.full_like(q, float("nan"))
+    kernels()[path](q, k, v, slots, starts, ends, 0.125, out)
+    expected = row_by_row(q, k.float(), v.float(), slots, starts, ends, 0.125)
+    assert (out - expected).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_tokens_output_does_not_depend_on_how_the_prompt_was_cut(dtype):
+    """The prefill budget cuts a prompt into chunks wherever the pass's other rows leave room; a token's
+    output is the same bit for bit however it was cut (its tile's other tokens add nothing to its sums).
+    A token alone in its slot is a decoding row to the kernel: the same to fp32 rounding, summed in another
+    order where the CPU has the tiles."""
+    torch.manual_seed(0)
+    k, v = torch.randn(2, 2, 3, 128, 64).to(dtype)
+    q = torch.randn(60, 3, 3, 64)
+    kernel = kernels()["kernel"]
+
+    def prefill(cuts: list[int]) -> torch.Tensor:
+        """The 60 tokens of slot 0 after 10 held columns, a chunk a call, each after a decoding row of slot 1."""
+        out = torch.empty_like(q)
+        for a, b in zip([0, *cuts], [*cuts, 60], strict=True):
+            parts = chunk_rows(1, 40, 1), chunk_rows(0, 10 + a, b - a)
+            slots, starts, ends = (torch.cat(x) for x in zip(*parts, strict=True))
+            rows = torch.cat([torch.randn(1, 3, 3, 64), q[a:b]])
+            out_rows = torch.empty_like(rows)
+            kernel(rows, k, v, slots, starts, ends, 0.125, out_rows)
+            out[a:b] = out_rows[1:]
+        return out
+
+    whole = prefill([])
+    assert torch.equal(prefill([7, 30]), whole)
+    assert torch.equal(prefill([16, 32, 48]), whole)
+    alone = prefill([1])  # token 0 alone
+    assert torch.equal(alone[1:], whole[1:])
+    assert (alone[0] - whole[0]).abs().max().item() < 1e-5
+    assert torch.equal(alone[0], whole[0]) != torch.ops.agent_r1.decode_attention_simd()  # the tiles ran
+
+
 @pytest.mark.parametrize(
     "slot, start, end, says",
     [(0, 3, 3, r"row 0 reads columns \[3, 3\) of slot 0"), (2, 0, 4, "of slot 2"), (1, 0, 9, r"\[0, 9\)")],
