@@ -17,10 +17,14 @@ batching), loaded from git into a module of its own, so all engines run in one p
 (each started just before its runs), and run as it ran then (without `TRANSFORMERS_SDPA_FORCE_GQA`,
 which `use_onednn` now sets).
 
+`--isolate` runs each engine in a process of its own instead, one after the other, as each runs in a
+user's process (an engine that ran second in a shared process took 60-75 s for a search rollout the
+same engine took 60-66 s for when it ran first: docs/benchmarks.md).
+
 After the table, a local engine's own clock: seconds in passes that only prefill, only decode, and both
 (chunks of prompts beside decoding rows); the rest of a run is sampling, tools and Python.
 
-    python benchmarks/engines.py [--engines previous,local,vllm] [--kinds calculator,search]
+    python benchmarks/engines.py [--engines previous,local,vllm] [--kinds calculator,search] [--isolate]
                                  [--tasks 64] [--turns 3] [--max-new-tokens 64] [--baseline REV]
 """
 
@@ -31,10 +35,12 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib.util
+import json
 import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -162,9 +168,44 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--baseline", default=BASELINE, help="git revision of the previous engine")
+    parser.add_argument("--isolate", action="store_true", help="each engine in a process of its own")
+    parser.add_argument("--rows-out", help=argparse.SUPPRESS)  # where an isolated run writes its rows
     args = parser.parse_args()
     if unknown := set(args.engines.split(",")) - {"previous", "local", "vllm"}:
         raise SystemExit(f"unknown engine {sorted(unknown)[0]!r}: previous, local or vllm")
+    rows = isolated(args) if args.isolate else measure(args)
+    if args.rows_out:
+        Path(args.rows_out).write_text(json.dumps(rows))
+        return
+    print("\n| task | engine | seconds | sampled tokens | sampled tok/s | turns/s | context | prefilled | reused |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for kind, name, r in rows:
+        turns = args.tasks * args.turns / r["seconds"]
+        print(
+            f"| {kind} | {name} | {r['seconds']:.1f} | {r['sampled']:,} | {r['sampled'] / r['seconds']:.1f} | "
+            f"{turns:.2f} | {r['context']:.0f} | {r['prefilled'] or '-'} | {r['reused'] or '-'} |"
+        )
+    for kind, name, r in rows:
+        if r["passes"]:
+            clock = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in r["passes"].items())
+            print(f"{kind}, {name}: forward passes {clock} (the rest: sampling, tools, Python)")
+
+
+def isolated(args: argparse.Namespace) -> list:
+    """Each engine's rows from a run of this script in a process of its own, one engine after the other."""
+    rows = []
+    for name in args.engines.split(","):
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            argv = [sys.executable, __file__, "--engines", name, "--rows-out", out.name, "--model", args.model]
+            for flag in ("kinds", "tasks", "turns", "max_new_tokens", "baseline"):
+                argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+            subprocess.run(argv, check=True)
+            rows += json.loads(Path(out.name).read_text())
+    return rows
+
+
+def measure(args: argparse.Namespace) -> list:
+    """(task kind, engine, measurements) for every engine and kind, all in this process."""
     torch.set_grad_enabled(False)
     fix_mmap_threshold()  # the process as agent-r1's commands run (agent_r1/utils/malloc.py)
 
@@ -197,18 +238,7 @@ def main() -> None:
         if name == "vllm":
             engine.shutdown()
         del engine
-    print("\n| task | engine | seconds | sampled tokens | sampled tok/s | turns/s | context | prefilled | reused |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for kind, name, r in rows:
-        turns = args.tasks * args.turns / r["seconds"]
-        print(
-            f"| {kind} | {name} | {r['seconds']:.1f} | {r['sampled']:,} | {r['sampled'] / r['seconds']:.1f} | "
-            f"{turns:.2f} | {r['context']:.0f} | {r['prefilled'] or '-'} | {r['reused'] or '-'} |"
-        )
-    for kind, name, r in rows:
-        if r["passes"]:
-            clock = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in r["passes"].items())
-            print(f"{kind}, {name}: forward passes {clock} (the rest: sampling, tools, Python)")
+    return rows
 
 
 if __name__ == "__main__":

@@ -10,9 +10,13 @@ It is the split of FlashDecoding (Dao et al. 2023) by sequence and head, the wor
 paged-attention kernel does over pages.
 
 A prompt chunk's tokens are rows of the same call, each reading its slot up to its own column (causal
-attention, a query at a time): ~1.5-3x SDPA's flash kernel over a masked chunk, which on two cores
-reaches ~100 GFLOP/s with head_dim 64. The threads split the rows by the columns they read, so a
-chunk's long rows and the decoding rows' short ones are shared evenly.
+attention). The kernel finds them as runs of rows in one slot, one column apart, and with AVX-512 takes
+them in tiles of 16 tokens whose queries fill a register's lanes: each key is read once for the tile
+and for the query heads that share it, not once a token. 1.6-3.4x a row a token, 1.2-2.1x SDPA's flash
+kernel over a masked chunk (which on two cores reaches ~100 GFLOP/s with head_dim 64). A lane's sums
+are its own, so a token's output does not depend on where its prompt was cut into chunks. The threads
+split the work by the columns it reads, so a chunk's long rows and the decoding rows' short ones are
+shared evenly.
 
 It is compiled for this CPU (`-march=native`) with the system's C++ compiler through
 `torch.utils.cpp_extension` (ninja), once per machine, into torch's extension cache
