@@ -12,7 +12,10 @@ against SDPA over the same stored values widened to fp32.
 `--chunks 0:400,700:200` also times prompt chunks (tokens after held columns) through SDPA, as the engine
 ran them on the CPU once, against the kernel as it runs them now (tiles of 16 tokens that read each key
 once) and with a row a token, as it ran them before (the same call with the chunk's rows in reverse order,
-which the kernel does not take for a chunk).
+which the kernel does not take for a chunk); each with this CPU's intrinsics and with the portable loops.
+
+`--march x86-64-v3` builds the kernel for another CPU than this one (x86-64-v3: AVX2 and FMA, no AVX-512,
+what most laptops have) and times that build: what such a machine's kernel does, at this one's speed.
 
 `--layer 416` also times SmolLM2's first attention layer whole (projections, rotary embedding, slot
 writes, attention) for `--rows` decoding rows at that many columns: transformers' forward over the slots
@@ -20,6 +23,7 @@ against `FusedSlotAttention`'s, alternated `--layer-repeats` times, with their o
 
     python benchmarks/attention.py [--rows 64] [--widths 64,256,630,1000] [--kv-dtypes float32]
                                    [--chunks held:tokens,...] [--layer columns] [--layer-repeats 6]
+                                   [--march x86-64-v3]
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from agent_r1.rollout.decode_attention import kernel_for
+from agent_r1.rollout import decode_attention
 
 
 def timed(fn, repeats: int = 20) -> float:
@@ -51,12 +55,15 @@ def main() -> None:
     parser.add_argument("--chunks", default="", help="held:tokens,... prompt chunks after held columns, also timed")
     parser.add_argument("--layer", type=int, default=0, help="columns: also time a whole attention layer, fused or not")
     parser.add_argument("--layer-repeats", type=int, default=6)
+    parser.add_argument("--march", default="native", help="the CPU to build the kernel for (gcc's -march)")
     args = parser.parse_args()
+    if args.layer and args.march != "native":
+        parser.error("--layer times the engine's own build of the kernel: leave out --march")
     torch.manual_seed(0)
     widths = [int(w) for w in args.widths.split(",")]
     dtypes = [getattr(torch, name) for name in args.kv_dtypes.split(",")]
     rows, kv_heads, group, dim, capacity = args.rows, 3, 3, 64, max(widths)
-    kernel = kernel_for(torch.float32, torch.device("cpu"))
+    kernel = decode_attention._build(args.march)  # what kernel_for returns, for another CPU if asked
     if kernel is None:
         raise SystemExit("the decode-attention kernel did not build on this machine (see the warning above)")
     big = torch.randn(64 * 2**20)  # 256 MB
@@ -65,7 +72,8 @@ def main() -> None:
     kv = torch.randn(2, rows, kv_heads, capacity, dim)  # keys, values [slots, Hkv, capacity, D] each
     slots = torch.arange(rows)
     portable = torch.ops.agent_r1.decode_attention_portable  # its loops without this CPU's intrinsics
-    print(f"the kernel's AVX-512 path: {'built' if torch.ops.agent_r1.decode_attention_simd() else 'not on this CPU'}")
+    simd = torch.ops.agent_r1.decode_attention_simd()
+    print(f"the kernel's AVX-512 path: {'built' if simd else 'not in this build'} (-march={args.march})")
     print(
         "| columns | keys, values | SDPA (fp32, one call) | kernel, portable loops | kernel | speed-up | "
         "at memory speed | max difference |"
@@ -90,19 +98,22 @@ def main() -> None:
                 f"{floor * 1e3:.2f} ms | {diff:.1e} |"
             )
     if args.chunks:
-        chunks(args.chunks, kernel)
+        chunks(args.chunks, kernel, portable)
     if args.layer:
         layer(args.rows, args.layer, args.layer_repeats)
 
 
-def chunks(pairs: str, kernel) -> None:
+def chunks(pairs: str, kernel, portable) -> None:
     """A prompt chunk's attention, as the engine once ran it (SDPA over the chunk's slot: `is_causal` from
     column 0, a boolean mask after held columns), against the kernel in tiles of the chunk's tokens (what the
-    engine does now on the CPU) and with each token a row that reads the slot up to its own column (before)."""
+    engine does now on the CPU) and with each token a row that reads the slot up to its own column (before),
+    with this CPU's intrinsics and with the portable loops."""
     kv_heads, group, dim = 3, 3, 64
-    head = ["held columns", "chunk tokens", "SDPA, masked", "kernel, a row a token", "kernel, tiles", "tiles / SDPA"]
+    head = ["held", "tokens", "SDPA, masked"]
+    for path in ("kernel", "portable"):
+        head += [f"{path}, a row a token", f"{path}, tiles", "tiles / SDPA"]
     print("\n| " + " | ".join([*head, "max difference"]) + " |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---" * (len(head) + 1) + "|")
     for pair in pairs.split(","):
         held, n = (int(x) for x in pair.split(":"))
         width = held + n
@@ -117,15 +128,15 @@ def chunks(pairs: str, kernel) -> None:
         rows = q[0].transpose(0, 1).reshape(n, kv_heads, group, dim).contiguous()  # [n, Hkv, G, D]
         out, slots = torch.empty_like(rows), torch.zeros(n, dtype=torch.long)
         starts, ends = torch.zeros(n, dtype=torch.long), cols + 1
-        ours = timed(lambda: kernel(rows, k, v, slots, starts, ends, dim**-0.5, out))  # noqa: B023
-        diff = (out - sdpa()[0].transpose(0, 1).reshape(n, kv_heads, group, dim)).abs().max().item()
         back = [t.flip(0).contiguous() for t in (rows, slots, starts, ends)]  # no run of columns: a row a token
-        by_row = timed(lambda: kernel(*back[:1], k, v, *back[1:], dim**-0.5, out))  # noqa: B023
-        theirs = timed(sdpa)
-        print(
-            f"| {held} | {n} | {theirs * 1e3:.2f} ms | {by_row * 1e3:.2f} ms | {ours * 1e3:.2f} ms | "
-            f"{theirs / ours:.1f}x | {diff:.1e} |"
-        )
+        expected, theirs = sdpa()[0].transpose(0, 1).reshape(n, kv_heads, group, dim), timed(sdpa)
+        cells, diff = [str(held), str(n), f"{theirs * 1e3:.2f} ms"], 0.0
+        for run in (kernel, portable):
+            ours = timed(lambda: run(rows, k, v, slots, starts, ends, dim**-0.5, out))  # noqa: B023
+            diff = max(diff, (out - expected).abs().max().item())
+            by_row = timed(lambda: run(*back[:1], k, v, *back[1:], dim**-0.5, out))  # noqa: B023
+            cells += [f"{by_row * 1e3:.2f} ms", f"{ours * 1e3:.2f} ms", f"{theirs / ours:.1f}x"]
+        print("| " + " | ".join([*cells, f"{diff:.1e}"]) + " |")
 
 
 def layer(rows: int, width: int, repeats: int) -> None:

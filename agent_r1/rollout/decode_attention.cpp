@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cfloat>
 #include <cstring>
 #include <vector>
 
@@ -79,8 +80,8 @@ struct Simd {
   void (*scores)(const float*, const T*, int64_t, int64_t, float, float*) = nullptr;
   void (*values)(const float*, const T*, int64_t, int64_t, float*) = nullptr;
   // a tile of chunk tokens for `chunk_heads` query heads over keys and values from its start (row strides ks,
-  // vs), with scratch [chunk_heads, W, 16] floats
-  void (*chunk)(const Tile&, const T*, int64_t, const T*, int64_t, float, float*) = nullptr;
+  // vs), head_dim D, with scratch [chunk_heads, W + D, 16] floats; null: the portable loops (`chunk_tile_loops`)
+  void (*chunk)(const Tile&, const T*, int64_t, const T*, int64_t, int64_t, float, float*) = nullptr;
   int chunk_heads = 0;
 };
 
@@ -189,7 +190,7 @@ inline __m512 exp16(__m512 x) {
 // prompt into chunks, whichever tokens share its tile. Only the order of the fp32 additions differs from a
 // row's (~1e-7).
 template <int G, int ND, typename T>
-void chunk_tile(const Tile& t, const T* k, int64_t ks, const T* v, int64_t vs, float scale, float* s) {
+void chunk_tile(const Tile& t, const T* k, int64_t ks, const T* v, int64_t vs, int64_t, float scale, float* s) {
   constexpr int64_t D = ND * 16;
   constexpr int R = G == 1 ? 16 : G == 2 ? 12 : G == 3 ? 8 : 6;  // G x R accumulators: FMA chains in flight
   constexpr int J = G == 1 ? 16 : G <= 3 ? 8 : 4;                 // G x J accumulators of the weighted sums
@@ -302,6 +303,108 @@ template <typename T>
 Simd<T> simd_for(int64_t, int64_t) { return {}; }  // the portable loops only
 #endif
 
+// The tile with portable loops, for any CPU and head_dim: a lane is an element of a fixed-length array the
+// compiler vectorizes (two AVX2 registers, four NEON ones), so each key is read once for the tile's 16 tokens
+// and the kv head's G query heads, as with the intrinsics (a row a token read it 16 times: 1.5-3x slower on
+// an AVX2 build, docs/benchmarks.md). A lane's sums are its own and in column order here too, so a token's
+// output does not depend on its tile. No infinities: the build assumes none (-ffast-math).
+constexpr int kLanes = 16;
+
+// s[g, w + r, lane] = scale * q_g[lane] . k[w + r] for R keys, summed over d in order
+template <int G, int R, typename T>
+void tile_scores(const float* qt, const T* k, int64_t ks, int64_t D, int64_t W, int64_t w, float scale, float* s) {
+  float acc[G][R][kLanes] = {};
+  for (int64_t d = 0; d < D; ++d)
+    for (int r = 0; r < R; ++r) {
+      const float kd = widen(k[(w + r) * ks + d]);
+      for (int g = 0; g < G; ++g) {
+        const float* qd = qt + (g * D + d) * kLanes;
+#pragma omp simd
+        for (int l = 0; l < kLanes; ++l) acc[g][r][l] += qd[l] * kd;
+      }
+    }
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r)
+      for (int l = 0; l < kLanes; ++l) s[(g * W + w + r) * kLanes + l] = acc[g][r][l] * scale;
+}
+
+// o[lane, g, c + j] = sum_w s[g, w, lane] * v[w, c + j] * inv[g, lane] for J of the head's dims
+template <int G, int J, typename T>
+void tile_values(const Tile& t, const float* s, const T* v, int64_t vs, int64_t D, int64_t W, int64_t c,
+                 const float* inv) {
+  float acc[G][J][kLanes] = {};
+  for (int64_t w = 0; w < W; ++w)
+    for (int j = 0; j < J; ++j) {
+      const float x = widen(v[w * vs + c + j]);
+      for (int g = 0; g < G; ++g) {
+        const float* p = s + (g * W + w) * kLanes;
+#pragma omp simd
+        for (int l = 0; l < kLanes; ++l) acc[g][j][l] += p[l] * x;
+      }
+    }
+  for (int g = 0; g < G; ++g)
+    for (int64_t l = 0; l < t.m; ++l)
+      for (int j = 0; j < J; ++j) t.o[l * t.q_stride + g * D + c + j] = acc[g][j][l] * inv[g * kLanes + l];
+}
+
+template <int G, typename T>
+void chunk_tile_loops(const Tile& t, const T* k, int64_t ks, const T* v, int64_t vs, int64_t D, float scale,
+                      float* s) {
+  constexpr int R = G >= 4 ? 1 : 6 / G;  // G x R x 16 accumulators: 12 AVX2 registers
+  const int64_t W = t.b[t.m - 1] - t.start;
+  float* qt = s + G * W * kLanes;  // [g, d, lane] the queries, transposed
+  for (int g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t l = 0; l < kLanes; ++l)
+        qt[(g * D + d) * kLanes + l] = l < t.m ? t.q[l * t.q_stride + g * D + d] : 0.f;
+  int64_t w = 0;
+  for (; w + R <= W; w += R) tile_scores<G, R>(qt, k, ks, D, W, w, scale, s);
+  for (; w < W; ++w) tile_scores<G, 1>(qt, k, ks, D, W, w, scale, s);
+  int64_t lo[kLanes], hi[kLanes];  // each lane's columns [lo, hi); a padding lane reads none
+  for (int64_t l = 0; l < kLanes; ++l) {
+    lo[l] = l < t.m ? t.a[l] - t.start : 0;
+    hi[l] = l < t.m ? t.b[l] - t.start : 0;
+  }
+  float inv[G * kLanes];  // 1 / each lane's sum of weights
+  for (int g = 0; g < G; ++g) {
+    float mx[kLanes], total[kLanes] = {};
+    for (int l = 0; l < kLanes; ++l) mx[l] = -FLT_MAX;
+    for (w = 0; w < W; ++w) {
+      const float* x = s + (g * W + w) * kLanes;
+#pragma omp simd
+      for (int l = 0; l < kLanes; ++l) mx[l] = w >= lo[l] && w < hi[l] ? std::max(mx[l], x[l]) : mx[l];
+    }
+    for (w = 0; w < W; ++w) {  // a lane's weights, exact zeros where it does not read, summed in column order
+      float* x = s + (g * W + w) * kLanes;
+#pragma omp simd
+      for (int l = 0; l < kLanes; ++l) {
+        const float e = std::exp(std::min(x[l] - mx[l], 0.f));
+        x[l] = w >= lo[l] && w < hi[l] ? e : 0.f;
+        total[l] += x[l];
+      }
+    }
+    for (int l = 0; l < kLanes; ++l) inv[g * kLanes + l] = l < t.m ? 1.f / total[l] : 0.f;
+  }
+  constexpr int J = R;
+  int64_t c = 0;
+  for (; c + J <= D; c += J) tile_values<G, J>(t, s, v, vs, D, W, c, inv);
+  for (; c < D; ++c) tile_values<G, 1>(t, s, v, vs, D, W, c, inv);
+}
+
+// The portable tile for G query heads a kv head: up to 4 at once, more one at a time
+template <typename T>
+Simd<T> with_tile_loops(Simd<T> simd, int64_t G) {
+  if (simd.chunk) return simd;
+  switch (G) {
+    case 1: simd.chunk = chunk_tile_loops<1, T>, simd.chunk_heads = 1; break;
+    case 2: simd.chunk = chunk_tile_loops<2, T>, simd.chunk_heads = 2; break;
+    case 3: simd.chunk = chunk_tile_loops<3, T>, simd.chunk_heads = 3; break;
+    case 4: simd.chunk = chunk_tile_loops<4, T>, simd.chunk_heads = 4; break;
+    default: simd.chunk = chunk_tile_loops<1, T>, simd.chunk_heads = 1;
+  }
+  return simd;
+}
+
 // What a thread takes: a decoding row (or a lone prompt token), or a tile of up to 16 consecutive tokens of a
 // prompt chunk (`chunk_tile`), for one kv head.
 struct Unit {
@@ -310,16 +413,16 @@ struct Unit {
 };
 
 // The rows as units: a run of rows in one slot, each reading one column more than the one before, is a
-// prompt chunk (two decoding rows never share a slot), cut into tiles of 16 where the build has them.
-std::vector<Unit> units_of(const int64_t* sp, const int64_t* ap, const int64_t* bp, int64_t n, bool tiles) {
+// prompt chunk (two decoding rows never share a slot), cut into tiles of 16.
+std::vector<Unit> units_of(const int64_t* sp, const int64_t* ap, const int64_t* bp, int64_t n) {
   std::vector<Unit> units;
   for (int64_t i = 0; i < n;) {
     int64_t j = i + 1;
-    while (tiles && j < n && sp[j] == sp[i] && bp[j] == bp[j - 1] + 1 && ap[j] >= ap[j - 1]) ++j;
+    while (j < n && sp[j] == sp[i] && bp[j] == bp[j - 1] + 1 && ap[j] >= ap[j - 1]) ++j;
     if (j - i == 1) {
       units.push_back({i, 1, false});
     } else {
-      for (int64_t r = i; r < j; r += 16) units.push_back({r, std::min<int64_t>(16, j - r), true});
+      for (int64_t r = i; r < j; r += kLanes) units.push_back({r, std::min<int64_t>(kLanes, j - r), true});
     }
     i = j;
   }
@@ -392,30 +495,30 @@ template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* sp, const int64_t* ap,
             const int64_t* bp, float sc, const at::Tensor& out, bool portable) {
   const int64_t H = q.size(1), G = q.size(2), D = q.size(3);
-  const Simd<T> simd = portable ? Simd<T>{} : simd_for<T>(G, D);
+  const Simd<T> simd = with_tile_loops(portable ? Simd<T>{} : simd_for<T>(G, D), G);
   const float* qp = q.data_ptr<float>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
   float* op = out.data_ptr<float>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
-  const std::vector<Unit> units = units_of(sp, ap, bp, q.size(0), simd.chunk != nullptr);
+  const std::vector<Unit> units = units_of(sp, ap, bp, q.size(0));
   const std::vector<int64_t> split = balanced_split(units, ap, bp, H);
   at::parallel_for(0, static_cast<int64_t>(split.size()) - 1, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> buf;  // a row's [G, W] scores, then weights; a tile's [W, 16]
+    std::vector<float> buf;  // a row's [G, W] scores, then weights; a tile's [G, W + D, 16]
     for (int64_t job = split[first]; job < split[last]; ++job) {
       const Unit& u = units[job / H];
       const int64_t h = job % H, i = u.row, s = sp[i], a = ap[i], W = bp[i + u.m - 1] - a;
       const T* kb = kp + s * ks0 + h * ks1 + a * ks2;
       const T* vb = vp + s * vs0 + h * vs1 + a * vs2;
-      buf.resize((u.tile ? 16 : 1) * G * W);
+      buf.resize(u.tile ? kLanes * G * (W + D) : G * W);
       if (!u.tile) {
         attend_row(simd, qp + (i * H + h) * G * D, kb, ks2, vb, vs2, G, D, W, sc, buf.data(), op + (i * H + h) * G * D);
         continue;
       }
       for (int64_t g = 0; g < G; g += simd.chunk_heads) {
         const int64_t at = (i * H + h) * G * D + g * D;
-        simd.chunk({qp + at, H * G * D, op + at, u.m, a, ap + i, bp + i}, kb, ks2, vb, vs2, sc, buf.data());
+        simd.chunk({qp + at, H * G * D, op + at, u.m, a, ap + i, bp + i}, kb, ks2, vb, vs2, D, sc, buf.data());
       }
     }
   });

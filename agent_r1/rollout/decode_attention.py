@@ -10,11 +10,13 @@ It is the split of FlashDecoding (Dao et al. 2023) by sequence and head, the wor
 paged-attention kernel does over pages.
 
 A prompt chunk's tokens are rows of the same call, each reading its slot up to its own column (causal
-attention). The kernel finds them as runs of rows in one slot, one column apart, and with AVX-512 takes
-them in tiles of 16 tokens whose queries fill a register's lanes: each key is read once for the tile
-and for the query heads that share it, not once a token. 1.6-3.4x a row a token, 1.2-2.1x SDPA's flash
-kernel over a masked chunk (which on two cores reaches ~100 GFLOP/s with head_dim 64). A lane's sums
-are its own, so a token's output does not depend on where its prompt was cut into chunks. The threads
+attention). The kernel finds them as runs of rows in one slot, one column apart, and takes them in tiles
+of 16 tokens whose queries fill a vector's lanes (an AVX-512 register; two AVX2 ones or four NEON ones in
+the portable loops): each key is read once for the tile and for the query heads that share it, not once
+a token. With AVX-512, 1.6-3.4x a row a token and 1.2-2.1x SDPA's flash kernel over a masked chunk (which
+on two cores reaches ~100 GFLOP/s with head_dim 64); an AVX2 build's portable tiles, 1.5-3x its rows
+(docs/benchmarks.md). A lane's sums are its own, so a token's output does not depend on where its prompt
+was cut into chunks. The threads
 split the work by the columns it reads, so a chunk's long rows and the decoding rows' short ones are
 shared evenly.
 
@@ -78,11 +80,14 @@ def _cpu_digest() -> str:
 
 
 @functools.cache
-def _build() -> Callable | None:
-    """Compile and load the kernel once per process (torch's cache skips the compile on later runs)."""
+def _build(march: str = "native") -> Callable | None:
+    """Compile and load the kernel once per process (torch's cache skips the compile on later runs).
+
+    `march` other than this CPU's (`x86-64-v3`: AVX2, what most laptops have) is for
+    `benchmarks/attention.py --march`, which measures another CPU's build here; one build a process."""
     from torch.utils import cpp_extension
 
-    tag = SOURCE.read_bytes() + torch.__version__.encode()
+    tag = SOURCE.read_bytes() + torch.__version__.encode() + march.encode()
     name = f"agent_r1_decode_attention_{hashlib.sha256(tag).hexdigest()[:8]}_{_cpu_digest()}"
     # `pip install ninja` puts it in the environment's bin, which is not on PATH when the venv's commands
     # run without activating it (`make test`, `.venv/bin/agent-r1`); torch looks for it on PATH
@@ -107,7 +112,7 @@ def _build() -> Callable | None:
         cpp_extension.load(
             name,
             [str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+            extra_cflags=["-O3", f"-march={march}", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )
