@@ -137,7 +137,7 @@ class Tau2Env:
         )
         self.failure: list[BaseException] = []
         self.gym._get_orchestrator = functools.partial(_recording, self.gym._get_orchestrator, self.failure)
-        first, info = await self._blocking(self.gym.reset)
+        first, info = await self._blocking(_settled, self.gym, self.gym.reset)
         if not first:  # the simulation ended before the customer spoke
             self.finished = True
             raise self._failed()
@@ -220,7 +220,7 @@ class Tau2Env:
                 return "Error: the conversation is over; this action was not taken."
             try:
                 obs, reward, terminated, _, info = await asyncio.wait_for(
-                    self._blocking(self.gym.step, action), timeout=self.timeout_s
+                    self._blocking(_settled, self.gym, self.gym.step, action), timeout=self.timeout_s
                 )
             except TimeoutError:
                 self.broken = EnvError(f"a τ² step took longer than {self.timeout_s:g}s (task.timeout_s)")
@@ -270,6 +270,20 @@ def _recording(get_orchestrator: Any, failure: list[BaseException]) -> Any:
 
     orchestrator.run = recorded
     return orchestrator
+
+
+def _settled(gym: Any, fn: Any, *args: Any) -> tuple:
+    """τ²'s `reset` or `step`, whose observation is read again under the agent's lock. τ²'s gym waits
+    until the agent's turn has begun, then reads the observation without that lock, while τ²'s thread
+    begins the turn and writes the observation in one locked block: on a busy machine `reset` read an
+    empty observation (which looks like a failed simulation) and `step` the previous turn's. Holding
+    the lock waits for the write; the thread then waits for our next action, so nothing moves on."""
+    out = fn(*args)
+    if gym._simulation_done.is_set():  # the last observation: written before the simulation ended
+        return out
+    with gym._agent._lock:
+        observation = gym._format_observation(gym._agent.observation)
+    return (observation, *out[1:])
 
 
 def _message(observation: str) -> str:

@@ -11,7 +11,7 @@ import pytest
 
 from agent_r1.env.context import ContextConfig
 from agent_r1.env.prompt_format import ChatFormat
-from agent_r1.env.tau2 import GREETING, Tau2Env
+from agent_r1.env.tau2 import GREETING, Tau2Env, tau2
 from agent_r1.rollout.agent_loop import AgentEnvLoop
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.merge import merge_trajectories
@@ -77,6 +77,26 @@ def test_a_question_to_the_customer_gets_its_reply_as_the_next_user_turn(custome
     assert t.error is None and len(t.steps) == 3 and t.reward == 1.0
     assert customer.ANSWER in tokenizer.decode(t.steps[1].prompt_ids)
     assert t.steps[0].info["tool_calls"] == 0
+
+
+def test_each_observation_is_the_one_tau2_wrote_when_its_thread_is_slow(customer_url, tokenizer, monkeypatch):
+    """τ²'s gym reads the agent's observation without the lock its orchestrator thread writes it under:
+    a slow write (here, a slow copy; in CI, a busy machine) let `reset` return an empty observation and
+    `step` the previous one. Each observation must be the one written for that turn."""
+    import copy
+
+    gym_agent = tau2()  # with litellm's cost map read from the package
+    def slow(x, *a):
+        time.sleep(0.3)
+        return copy.deepcopy(x, *a)
+
+    monkeypatch.setattr(gym_agent, "deepcopy", slow)
+    responses = ["Which user id should I use?", CREATE % "Important Meeting", "Done: the task is created."]
+    t, _ = run(customer_url, tokenizer, responses)
+    assert t.error is None and len(t.steps) == 3 and t.reward == 1.0
+    assert customer.OPENING in tokenizer.decode(t.steps[0].prompt_ids)
+    assert customer.ANSWER in tokenizer.decode(t.steps[1].prompt_ids)  # not the opening again
+    assert '"title": "Important Meeting"' in t.steps[1].info["tool_results"][0]["output"]
 
 
 def test_a_wrong_database_change_scores_zero(customer_url, tokenizer):
