@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cfloat>
@@ -310,6 +311,26 @@ Simd<T> simd_for(int64_t, int64_t) { return {}; }  // the portable loops only
 // output does not depend on its tile. No infinities: the build assumes none (-ffast-math).
 constexpr int kLanes = 16;
 
+// e^x for x <= 0 in plain arithmetic the compiler vectorizes on any CPU: 2^n * e^r with n = round(x / ln 2)
+// and |r| <= ln 2 / 2, e^r by its Taylor series to r^7 (exp16's method; relative error < 2e-8 before
+// rounding). A call to libm's expf in a loop is one scalar call a lane wherever the compiler has no vector
+// library (clang on macOS; gcc without OpenMP's simd declarations), and was most of a tile's softmax on
+// AVX2. Below -87 it gives e^-87 (~1.6e-38, fp32's smallest normal): a weight no softmax sum, which holds
+// its maximum's weight of 1, can see (a select of 0 there kept gcc from vectorizing the loop).
+inline float exp_lane(float x) {
+  x = std::max(x, -87.f);
+  const float t = x * 1.44269504088896341f;
+  const int32_t ni = static_cast<int32_t>(t - 0.5f);  // x <= 0: truncation of t - 0.5 rounds t to nearest
+  const float n = static_cast<float>(ni);
+  float r = x - n * 0.693145751953125f;  // ln 2 in two parts: r exact
+  r = r - n * 1.428606765330187045e-06f;
+  const float y =
+      ((((((1.f / 5040 * r + 1.f / 720) * r + 1.f / 120) * r + 1.f / 24) * r + 1.f / 6) * r + 0.5f) * r + 1.f) * r +
+      1.f;
+  const float two_n = std::bit_cast<float>((ni + 127) << 23);  // 2^n, n in [-126, 0]
+  return y * two_n;
+}
+
 // s[g, w + r, lane] = scale * q_g[lane] . k[w + r] for R keys, summed over d in order
 template <int G, int R, typename T>
 void tile_scores(const float* qt, const T* k, int64_t ks, int64_t D, int64_t W, int64_t w, float scale, float* s) {
@@ -328,12 +349,16 @@ void tile_scores(const float* qt, const T* k, int64_t ks, int64_t D, int64_t W, 
       for (int l = 0; l < kLanes; ++l) s[(g * W + w + r) * kLanes + l] = acc[g][r][l] * scale;
 }
 
-// o[lane, g, c + j] = sum_w s[g, w, lane] * v[w, c + j] * inv[g, lane] for J of the head's dims
+// o[g, c + j, lane] += sum over w in [w0, w1) of s[g, w, lane] * v[w, c + j], for J of the head's dims, in
+// column order (the partial sums go back to o exactly, so blocks of columns change no bit of the result)
 template <int G, int J, typename T>
-void tile_values(const Tile& t, const float* s, const T* v, int64_t vs, int64_t D, int64_t W, int64_t c,
-                 const float* inv) {
-  float acc[G][J][kLanes] = {};
-  for (int64_t w = 0; w < W; ++w)
+void tile_values(const float* s, const T* v, int64_t vs, int64_t D, int64_t W, int64_t w0, int64_t w1, int64_t c,
+                 float* o) {
+  float acc[G][J][kLanes];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < J; ++j)
+      for (int l = 0; l < kLanes; ++l) acc[g][j][l] = o[(g * D + c + j) * kLanes + l];
+  for (int64_t w = w0; w < w1; ++w)
     for (int j = 0; j < J; ++j) {
       const float x = widen(v[w * vs + c + j]);
       for (int g = 0; g < G; ++g) {
@@ -343,8 +368,8 @@ void tile_values(const Tile& t, const float* s, const T* v, int64_t vs, int64_t 
       }
     }
   for (int g = 0; g < G; ++g)
-    for (int64_t l = 0; l < t.m; ++l)
-      for (int j = 0; j < J; ++j) t.o[l * t.q_stride + g * D + c + j] = acc[g][j][l] * inv[g * kLanes + l];
+    for (int j = 0; j < J; ++j)
+      for (int l = 0; l < kLanes; ++l) o[(g * D + c + j) * kLanes + l] = acc[g][j][l];
 }
 
 template <int G, typename T>
@@ -369,26 +394,38 @@ void chunk_tile_loops(const Tile& t, const T* k, int64_t ks, const T* v, int64_t
   for (int g = 0; g < G; ++g) {
     float mx[kLanes], total[kLanes] = {};
     for (int l = 0; l < kLanes; ++l) mx[l] = -FLT_MAX;
-    for (w = 0; w < W; ++w) {
+    for (w = 0; w < W; ++w) {  // `&`, not `&&`: no branch in the lanes' loop, which must vectorize
       const float* x = s + (g * W + w) * kLanes;
 #pragma omp simd
-      for (int l = 0; l < kLanes; ++l) mx[l] = w >= lo[l] && w < hi[l] ? std::max(mx[l], x[l]) : mx[l];
+      for (int l = 0; l < kLanes; ++l) mx[l] = (w >= lo[l]) & (w < hi[l]) ? std::max(mx[l], x[l]) : mx[l];
     }
     for (w = 0; w < W; ++w) {  // a lane's weights, exact zeros where it does not read, summed in column order
       float* x = s + (g * W + w) * kLanes;
 #pragma omp simd
       for (int l = 0; l < kLanes; ++l) {
-        const float e = std::exp(std::min(x[l] - mx[l], 0.f));
-        x[l] = w >= lo[l] && w < hi[l] ? e : 0.f;
+        const float reads = static_cast<float>((w >= lo[l]) & (w < hi[l]));  // 1 or 0: a select would not vectorize
+        x[l] = exp_lane(std::min(x[l] - mx[l], 0.f)) * reads;
         total[l] += x[l];
       }
     }
     for (int l = 0; l < kLanes; ++l) inv[g * kLanes + l] = l < t.m ? 1.f / total[l] : 0.f;
   }
+  // The weighted sums, 64 columns at a time: every dim reads those columns' weights (G x 64 x 16 floats, in
+  // L1), where a pass over all W columns for each J dims read the whole [G, W, 16] from L2, once a load per
+  // FMA. The queries are read by now: their room [g, d, lane] holds the sums.
   constexpr int J = R;
-  int64_t c = 0;
-  for (; c + J <= D; c += J) tile_values<G, J>(t, s, v, vs, D, W, c, inv);
-  for (; c < D; ++c) tile_values<G, 1>(t, s, v, vs, D, W, c, inv);
+  constexpr int64_t kBlock = 64;
+  float* o = qt;
+  std::fill(o, o + G * D * kLanes, 0.f);
+  for (int64_t w0 = 0; w0 < W; w0 += kBlock) {
+    const int64_t w1 = std::min(w0 + kBlock, W);
+    int64_t c = 0;
+    for (; c + J <= D; c += J) tile_values<G, J>(s, v, vs, D, W, w0, w1, c, o);
+    for (; c < D; ++c) tile_values<G, 1>(s, v, vs, D, W, w0, w1, c, o);
+  }
+  for (int g = 0; g < G; ++g)
+    for (int64_t l = 0; l < t.m; ++l)
+      for (int64_t d = 0; d < D; ++d) t.o[l * t.q_stride + g * D + d] = o[(g * D + d) * kLanes + l] * inv[g * kLanes + l];
 }
 
 // The portable tile for G query heads a kv head: up to 4 at once, more one at a time

@@ -90,6 +90,22 @@ def test_prompt_chunks_beside_decoding_rows_attend_causally(group, dim, dtype, p
 
 
 @pytest.mark.parametrize("path", ["kernel", "portable"])
+def test_a_peaked_softmax_whose_small_weights_underflow_is_sdpas(path):
+    """Scores hundreds apart (a model sure of one key): most weights are e^-100 and below, which fp32 cannot
+    hold. The tiles' own exp (`exp_lane`, clamped at e^-87) and the rows' must give SDPA's output, finite."""
+    torch.manual_seed(1)
+    k, v = torch.randn(2, 2, 3, 100, 64)  # [slots, Hkv, capacity, D] each
+    parts = [chunk_rows(0, 20, 40), (torch.tensor([1]), torch.tensor([0]), torch.tensor([90]))]
+    slots, starts, ends = (torch.cat(x) for x in zip(*parts, strict=True))
+    q = torch.randn(len(slots), 3, 3, 64) * 40  # score gaps of ~1,000 at scale 0.125
+    out = torch.full_like(q, float("nan"))
+    kernels()[path](q, k, v, slots, starts, ends, 0.125, out)
+    expected = row_by_row(q, k, v, slots, starts, ends, 0.125)
+    # scores ~100x those of the other tests: their fp32 rounding, summed in another order, is ~100x too
+    assert torch.isfinite(out).all() and (out - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("path", ["kernel", "portable"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_prompt_tokens_output_does_not_depend_on_how_the_prompt_was_cut(dtype, path):
     """The prefill budget cuts a prompt into chunks wherever the pass's other rows leave room; a token's
