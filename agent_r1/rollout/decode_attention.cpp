@@ -306,7 +306,7 @@ Simd<T> simd_for(int64_t, int64_t) { return {}; }  // the portable loops only
 
 // The tile with portable loops, for any CPU and head_dim: a lane is an element of a fixed-length array the
 // compiler vectorizes (two AVX2 registers, four NEON ones), so each key is read once for the tile's 16 tokens
-// and the kv head's G query heads, as with the intrinsics (a row a token read it 16 times: 1.5-3x slower on
+// and the kv head's G query heads, as with the intrinsics (a row a token read it 16 times: 2-2.4x slower on
 // an AVX2 build, docs/benchmarks.md). A lane's sums are its own and in column order here too, so a token's
 // output does not depend on its tile. No infinities: the build assumes none (-ffast-math).
 constexpr int kLanes = 16;
