@@ -15,9 +15,9 @@ of 16 tokens whose queries fill a vector's lanes (an AVX-512 register; two AVX2 
 the portable loops): each key is read once for the tile and for the query heads that share it, not once
 a token. With AVX-512, 1.6-3.4x a row a token and 1.2-2.1x SDPA's flash kernel over a masked chunk (which
 on two cores reaches ~100 GFLOP/s with head_dim 64); an AVX2 build's portable tiles, 2-2.4x its rows
-and 0.8-1.4x SDPA's with torch on AVX2 too (docs/benchmarks.md). A lane's sums are its own, so a token's output does not depend
-on where its prompt was cut into chunks. The threads split the work by the columns it reads, so a
-chunk's long rows and the decoding rows' short ones are shared evenly.
+and 0.8-1.4x SDPA's with torch on AVX2 too (docs/benchmarks.md). A lane's sums are its own, so a
+token's output does not depend on where its prompt was cut into chunks. The threads split the work by
+the columns it reads, so a chunk's long rows and the decoding rows' short ones are shared evenly.
 
 It is compiled for this CPU (`-march=native`) with the system's C++ compiler through
 `torch.utils.cpp_extension` (ninja), once per machine, into torch's extension cache

@@ -86,6 +86,7 @@ def test_each_observation_is_the_one_tau2_wrote_when_its_thread_is_slow(customer
     import copy
 
     gym_agent = tau2()  # with litellm's cost map read from the package
+
     def slow(x, *a):
         time.sleep(0.3)
         return copy.deepcopy(x, *a)
