@@ -10,41 +10,55 @@ weight loading and shard writing) are hidden unless `--verbose` is given, anywhe
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import signal
 import sys
 import typing
 
-from agent_r1.chat import ChatConfig, run_chat
 from agent_r1.config import RECIPES, ConfigError, describe, load_config
-from agent_r1.distributed.group import end_rank
-from agent_r1.evaluate import EvalConfig, run_eval
-from agent_r1.observe.plot import PlotConfig, plot_run
-from agent_r1.observe.viewer.app import ViewConfig, serve_viewer
-from agent_r1.pipeline import DemoConfig, run_demo
-from agent_r1.retrieval.server import RetrievalServerConfig, serve_retrieval
-from agent_r1.rollout.producer import RolloutStalled
-from agent_r1.rollout.remote_engine import RemoteEngineError
-from agent_r1.serve.server import ServeConfig, run_serve
-from agent_r1.trainer.config import TrainConfig
-from agent_r1.trainer.export import ExportConfig, run_export
-from agent_r1.trainer.rl import train
-from agent_r1.trainer.sft import SFTConfig, sft
 from agent_r1.utils.malloc import fix_mmap_threshold
 
+# name -> (module, config class, function, help). A command's module is imported when it runs or its
+# --help is read: `agent-r1 --help`, `agent-r1 plot` and a mistyped key do not wait ~4 s for torch and
+# transformers, and a command pays only for what it imports.
 COMMANDS = {
-    "demo": (DemoConfig, run_demo, "the main job: eval -> SFT cold start -> RL -> eval, with a results table"),
-    "train": (TrainConfig, train, "RL on a task (GRPO, PPO, REINFORCE++, RLOO, ...)"),
-    "sft": (SFTConfig, sft, "cold-start SFT on multi-turn tool-use demonstrations"),
-    "eval": (EvalConfig, run_eval, "evaluate a model on a task's problems with its tools"),
-    "chat": (ChatConfig, run_chat, "talk to a tool-using model in the terminal, or answer one --prompt"),
-    "serve": (ServeConfig, run_serve, "OpenAI-compatible server: chat with tools, token-id completions"),
-    "export": (ExportConfig, run_export, "checkpoint -> Hugging Face directory (LoRA merged)"),
-    "view": (ViewConfig, serve_viewer, "browse a run's trajectories in a local web page"),
-    "plot": (PlotConfig, plot_run, "PNG curves of a run's metrics (reward, accuracy, tools, KL, entropy)"),
-    "retrieval-server": (RetrievalServerConfig, serve_retrieval, "serve a search index to rollout workers"),
-}
+    "demo": (
+        "agent_r1.pipeline", "DemoConfig", "run_demo",
+        "the main job: eval -> SFT cold start -> RL -> eval, with a results table",
+    ),
+    "train": ("agent_r1.trainer.rl", "TrainConfig", "train", "RL on a task (GRPO, PPO, REINFORCE++, RLOO, ...)"),
+    "sft": ("agent_r1.trainer.sft", "SFTConfig", "sft", "cold-start SFT on multi-turn tool-use demonstrations"),
+    "eval": ("agent_r1.evaluate", "EvalConfig", "run_eval", "evaluate a model on a task's problems with its tools"),
+    "chat": (
+        "agent_r1.chat", "ChatConfig", "run_chat",
+        "talk to a tool-using model in the terminal, or answer one --prompt",
+    ),
+    "serve": (
+        "agent_r1.serve.server", "ServeConfig", "run_serve",
+        "OpenAI-compatible server: chat with tools, token-id completions",
+    ),
+    "export": (
+        "agent_r1.trainer.export", "ExportConfig", "run_export",
+        "checkpoint -> Hugging Face directory (LoRA merged)",
+    ),
+    "view": (
+        "agent_r1.observe.viewer.app", "ViewConfig", "serve_viewer",
+        "browse a run's trajectories in a local web page",
+    ),
+    "plot": (
+        "agent_r1.observe.plot", "PlotConfig", "plot_run",
+        "PNG curves of a run's metrics (reward, accuracy, tools, KL, entropy)",
+    ),
+    "retrieval-server": (
+        "agent_r1.retrieval.server", "RetrievalServerConfig", "serve_retrieval",
+        "serve a search index to rollout workers",
+    ),
+}  # fmt: skip
+# errors that stop a run with its checkpoints whole (the remote engine went away, no episode can run):
+# (module, class), looked up only in a process that imported the module, the only one that can raise them
+STOPS = (("agent_r1.rollout.remote_engine", "RemoteEngineError"), ("agent_r1.rollout.producer", "RolloutStalled"))
 # a bare argument that is not a .yaml file sets this key
 POSITIONAL = {"export": "checkpoint", "view": "run_dir", "plot": "run_dir"}
 
@@ -74,23 +88,20 @@ def main(argv: list[str] | None = None) -> int:
         description="RL for multi-turn, tool-using LLM agents",
         epilog="--verbose (anywhere): show third-party progress bars (weight loading, shard writing)",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, (cls, _, help_text) in COMMANDS.items():
-        p = sub.add_parser(
-            name,
-            help=help_text,
-            epilog="config keys (set as key=value or --key value):\n" + describe(cls),
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-        p.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value")
     argv = sys.argv[1:] if argv is None else argv
     verbose = "--verbose" in argv  # third-party progress bars (weights loading, shards) only when asked
     argv = [a for a in argv if a != "--verbose"]
-    quiet_third_party(not verbose)
-    if argv and argv[0] in COMMANDS:
-        argv = [argv[0], *flags_to_overrides(COMMANDS[argv[0]][0], argv[1:])]
-    ns = parser.parse_args(argv)
-    cls, run, _ = COMMANDS[ns.command]
+    chosen = argv[0] if argv and argv[0] in COMMANDS else None
+    cls, run = command(chosen) if chosen else (None, None)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (*_, help_text) in COMMANDS.items():
+        keys = "config keys (set as key=value or --key value):\n" + describe(cls) if name == chosen else None
+        p = sub.add_parser(name, help=help_text, epilog=keys, formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value")
+    if chosen:
+        quiet_third_party(not verbose)
+        argv = [chosen, *flags_to_overrides(cls, argv[1:])]
+    ns = parser.parse_args(argv)  # no command: usage and exit
     paths = [a for a in ns.args if "=" not in a]
     overrides = [a for a in ns.args if "=" in a]
     if (key := POSITIONAL.get(ns.command)) and paths and not paths[0].endswith((".yaml", ".yml")):
@@ -103,15 +114,26 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(cls, paths[0] if paths else None, overrides)
         run(cfg)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a torchrun rank: its work is done and written
+            from agent_r1.distributed.group import end_rank
+
             end_rank(0)
     except (ConfigError, ValueError, OSError) as exc:
         print(f"agent-r1 {ns.command}: error: {exc}", file=sys.stderr)
         return 2
-    except (RemoteEngineError, RolloutStalled) as exc:  # the server went away, or no episode can run:
-        # checkpoints on disk are whole (resume=true)
-        print(f"agent-r1 {ns.command}: stopped: {exc}", file=sys.stderr)
+    except Exception as exc:
+        stops = tuple(getattr(sys.modules[m], name) for m, name in STOPS if m in sys.modules)
+        if not isinstance(exc, stops):
+            raise
+        print(f"agent-r1 {ns.command}: stopped: {exc}", file=sys.stderr)  # checkpoints are whole (resume=true)
         return 1
     return 0
+
+
+def command(name: str) -> tuple[type, typing.Callable]:
+    """A command's config class and function, its module imported now."""
+    module, config, function, _ = COMMANDS[name]
+    loaded = importlib.import_module(module)
+    return getattr(loaded, config), getattr(loaded, function)
 
 
 def quiet_third_party(quiet: bool) -> None:

@@ -154,3 +154,42 @@ def test_sigterm_stops_the_servers_a_command_started():
         if server is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(server, signal.SIGKILL)
+
+
+def test_the_command_list_and_a_light_commands_help_do_not_import_torch():
+    """`agent-r1 --help` took 7 s when every command's module was imported up front (torch, transformers,
+    FastAPI); a command's module is now imported when it runs or its --help is read."""
+    import subprocess
+
+    probe = (
+        "import contextlib, sys\nfrom agent_r1.cli import main\n"
+        "for argv in (['--help'], ['plot', '--help']):\n"
+        "    with contextlib.suppress(SystemExit):\n        main(argv)\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "retrieval-server" in out.stdout and "run_dir = ''" in out.stdout  # the list, then plot's keys
+    assert out.stdout.strip().endswith("torch imported: False"), out.stdout[-500:]
+
+
+def test_a_run_that_stalls_stops_with_one_line_and_any_other_error_is_raised(monkeypatch, capsys):
+    """A stalled rollout (or a remote engine gone) ends a run with exit code 1 and one line: its checkpoints
+    are whole. Anything else is a bug to see in full, traceback and all."""
+    import agent_r1.cli as cli
+    from agent_r1.rollout.producer import RolloutStalled
+    from agent_r1.trainer.config import TrainConfig
+
+    def stalls(cfg):
+        raise RolloutStalled("the last 8 groups were left out")
+
+    monkeypatch.setattr(cli, "command", lambda name: (TrainConfig, stalls))
+    assert main(["train"]) == 1
+    assert capsys.readouterr().err == "agent-r1 train: stopped: the last 8 groups were left out\n"
+
+    def fails(cfg):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli, "command", lambda name: (TrainConfig, fails))
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["train"])
