@@ -18,7 +18,7 @@ import sys
 import typing
 
 from agent_r1.config import RECIPES, ConfigError, describe, load_config
-from agent_r1.utils.malloc import fix_mmap_threshold
+from agent_r1.utils.malloc import fix_mmap_threshold, freeze_imported
 
 # name -> (module, config class, function, help). A command's module is imported when it runs or its
 # --help is read: `agent-r1 --help`, `agent-r1 plot` and a mistyped key do not wait ~4 s for torch and
@@ -133,6 +133,7 @@ def command(name: str) -> tuple[type, typing.Callable]:
     """A command's config class and function, its module imported now."""
     module, config, function, _ = COMMANDS[name]
     loaded = importlib.import_module(module)
+    freeze_imported()  # full collections no longer walk what imports made (0.16 s each, 3-4 an RL step)
     return getattr(loaded, config), getattr(loaded, function)
 
 

@@ -15,6 +15,7 @@ from agent_r1.models import resolve_model_path
 from agent_r1.models.onednn import use_onednn
 from agent_r1.rollout.decode_attention import kernel_for
 from agent_r1.rollout.local_engine import LocalEngine
+from agent_r1.utils.malloc import freeze_imported
 
 # Property-based (fuzz) tests, the `*_fuzz.py` files. By default they run a fixed, derandomized set of
 # examples, so CI sees the same inputs every run and never flakes. `HYPOTHESIS_PROFILE=long` draws fresh
@@ -36,6 +37,13 @@ def _split_threads() -> None:
 
 
 _split_threads()
+
+
+def pytest_collection_finish(session) -> None:
+    """What collection imported (every test module, torch, transformers) stays out of the cyclic
+    collector's walks, as `agent-r1` keeps its imports (utils/malloc.freeze_imported): each
+    `release_memory` of an in-process run otherwise walks them all."""
+    freeze_imported()
 
 
 @pytest.fixture(scope="session", autouse=True)
