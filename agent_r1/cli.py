@@ -81,7 +81,8 @@ def _exit_143(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     fix_mmap_threshold()  # long CPU runs otherwise fragment the heap (agent_r1/utils/malloc.py)
-    if argv is None:  # the process's own command line (not a caller's, such as a test runner's)
+    own = argv is None  # the process's own command line (not a caller's, such as a test runner's)
+    if own:
         exit_on_sigterm()
     parser = argparse.ArgumentParser(
         prog="agent-r1",
@@ -93,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = [a for a in argv if a != "--verbose"]
     chosen = argv[0] if argv and argv[0] in COMMANDS else None
     cls, run = command(chosen) if chosen else (None, None)
+    if own and chosen:  # the command's imports are what the process holds now: out of the collector's walks
+        freeze_imported()  # (0.16 s a full collection, 3-4 of them an RL step; utils/malloc.py)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (*_, help_text) in COMMANDS.items():
         keys = "config keys (set as key=value or --key value):\n" + describe(cls) if name == chosen else None
@@ -133,7 +136,6 @@ def command(name: str) -> tuple[type, typing.Callable]:
     """A command's config class and function, its module imported now."""
     module, config, function, _ = COMMANDS[name]
     loaded = importlib.import_module(module)
-    freeze_imported()  # full collections no longer walk what imports made (0.16 s each, 3-4 an RL step)
     return getattr(loaded, config), getattr(loaded, function)
 
 

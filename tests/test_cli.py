@@ -176,6 +176,8 @@ def test_the_command_list_and_a_light_commands_help_do_not_import_torch():
 def test_a_run_that_stalls_stops_with_one_line_and_any_other_error_is_raised(monkeypatch, capsys):
     """A stalled rollout (or a remote engine gone) ends a run with exit code 1 and one line: its checkpoints
     are whole. Anything else is a bug to see in full, traceback and all."""
+    import gc
+
     import agent_r1.cli as cli
     from agent_r1.rollout.producer import RolloutStalled
     from agent_r1.trainer.config import TrainConfig
@@ -184,7 +186,9 @@ def test_a_run_that_stalls_stops_with_one_line_and_any_other_error_is_raised(mon
         raise RolloutStalled("the last 8 groups were left out")
 
     monkeypatch.setattr(cli, "command", lambda name: (TrainConfig, stalls))
+    frozen = gc.get_freeze_count()
     assert main(["train"]) == 1
+    assert gc.get_freeze_count() == frozen  # a caller's objects are never frozen, only a process's imports
     assert capsys.readouterr().err == "agent-r1 train: stopped: the last 8 groups were left out\n"
 
     def fails(cfg):

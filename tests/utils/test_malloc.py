@@ -112,9 +112,10 @@ def test_release_memory_returns_freed_heap_blocks_and_cycles_to_the_os():
 
 
 FREEZES = """
-import gc
-from agent_r1.cli import command
-command("train")  # imports torch and transformers, then freezes them
+import gc, sys
+from agent_r1.cli import main
+sys.argv = ["agent-r1", "train", "no_such_key=1"]  # imports torch and transformers, freezes them, then fails
+assert main() == 2
 frozen = gc.get_freeze_count()
 class Node:
     pass
@@ -126,9 +127,10 @@ print(frozen, gc.collect())
 
 
 def test_a_commands_imports_are_frozen_and_what_it_makes_after_is_still_collected():
-    """`agent-r1` keeps what its imports made out of the cyclic collector's walks (a full collection walked
-    ~430,000 objects, 0.16 s, 3-4 times an RL step); cycles made afterwards are still collected, and the
-    exit is quiet (nanobind reports frozen objects as leaked unless they are handed back at exit)."""
+    """`agent-r1`, run as its process's command, keeps what its imports made out of the cyclic collector's
+    walks (a full collection walked ~430,000 objects, 0.16 s, 3-4 times an RL step); cycles made afterwards
+    are still collected, and the exit is quiet (nanobind reports frozen objects as leaked unless they are
+    handed back at exit)."""
     out = subprocess.run([sys.executable, "-c", FREEZES], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     frozen, found = out.stdout.split()
