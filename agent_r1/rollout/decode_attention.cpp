@@ -35,11 +35,25 @@ inline float widen(c10::BFloat16 x) {  // bf16 is fp32's top half: a shift, whic
   return f;
 }
 
+// Ask for the key (or value) kAhead positions on while this one is used (the rows' loops, portable and
+// AVX-512). A row's keys for a kv head are one stream of W x 128 (bf16) or 256 (fp32) bytes, read while
+// its scores are computed; the hardware prefetcher alone kept too few reads in flight for that. At 64
+// rows x 416 columns read from memory (benchmarks/attention.py; docs/benchmarks.md): AVX-512 over fp32
+// from ~88% of memory speed to all of it, over bf16 from 60-75% to ~82%; an AVX2 build's loops 16%
+// faster over fp32 and 35-45% over bf16. The sums do not change.
+constexpr int64_t kAhead = 32;
+template <typename T>
+inline void prefetch_key(const T* x, int64_t D) {  // a key or value of D elements
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(x) + b, 0, 3);
+}
+
 // scores p[g * W + w] = scale * q_g . k_w for the G query heads of one kv head, keys loaded once
 template <int G, typename T>
 void scores(const float* q, const T* k, int64_t k_stride, int64_t W, int64_t D, float scale, float* p) {
   for (int64_t w = 0; w < W; ++w) {
     const T* kw = k + w * k_stride;
+    if (w + kAhead < W) prefetch_key(kw + kAhead * k_stride, D);
     float acc[G];
     for (int g = 0; g < G; ++g) acc[g] = 0.f;
 #pragma omp simd reduction(+ : acc[:G])
@@ -114,19 +128,6 @@ inline __m512 sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
 }
 
-// Ask for the key (or value) kAhead positions on while this one is used. A row's keys for a kv head are
-// one stream of W x 128 (bf16) or 256 (fp32) bytes, read while its scores are computed; the hardware
-// prefetcher alone kept too few reads in flight for that, and a layer's keys and values were read at
-// 60-75% of memory speed over bf16 and ~88% over fp32. With these requests: ~82% over bf16 and memory
-// speed over fp32 at 416 columns, a layer's attention 12-32% faster (benchmarks/attention.py, which reads
-// from memory as the engine does; docs/benchmarks.md). The sums do not change.
-constexpr int64_t kAhead = 32;
-template <int ND, typename T>
-inline void prefetch_key(const T* x) {
-  for (int64_t b = 0; b < ND * 16 * static_cast<int64_t>(sizeof(T)); b += 64)
-    __builtin_prefetch(reinterpret_cast<const char*>(x) + b, 0, 3);
-}
-
 template <int G, int ND, typename T>
 void scores_simd(const float* q, const T* k, int64_t ks, int64_t W, float scale, float* p) {
   __m512 qv[G][ND];
@@ -138,7 +139,7 @@ void scores_simd(const float* q, const T* k, int64_t ks, int64_t W, float scale,
     __m512 acc[G][16];  // 16 keys' products; what does not fit in the 32 registers the compiler spills to L1
     for (int j = 0; j < 16; ++j) {
       const T* kw = k + (w + j) * ks;
-      if (w + j + kAhead < W) prefetch_key<ND, T>(kw + kAhead * ks);
+      if (w + j + kAhead < W) prefetch_key(kw + kAhead * ks, ND * 16);
       for (int g = 0; g < G; ++g) acc[g][j] = _mm512_setzero_ps();
       for (int c = 0; c < ND; ++c) {
         const __m512 x = load16(kw + c * 16);
@@ -167,7 +168,7 @@ void values_simd(const float* p, const T* v, int64_t vs, int64_t W, float* o) {
     for (int c = 0; c < ND; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t w = 0; w < W; ++w) {
     const T* vw = v + w * vs;
-    if (w + kAhead < W) prefetch_key<ND, T>(vw + kAhead * vs);
+    if (w + kAhead < W) prefetch_key(vw + kAhead * vs, ND * 16);
     __m512 pw[G];
     for (int g = 0; g < G; ++g) pw[g] = _mm512_set1_ps(p[g * W + w]);
     for (int c = 0; c < ND; ++c) {
@@ -533,6 +534,7 @@ void attend_row(const Simd<T>& simd, const float* q, const T* k, int64_t ks, con
   for (int64_t x = 0; x < G * D; ++x) o[x] = 0.f;
   for (int64_t w = 0; w < W; ++w) {
     const T* vw = v + w * vs;
+    if (w + kAhead < W) prefetch_key(vw + kAhead * vs, D);
     for (int64_t g = 0; g < G; ++g) {
       const float pw = p[g * W + w];
       float* og = o + g * D;
