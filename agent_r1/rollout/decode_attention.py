@@ -31,9 +31,10 @@ Keys and values stored in bf16 (`LocalEngine(kv_cache_dtype=torch.bfloat16)`, `a
 kv_cache_dtype=bf16`) are widened to fp32 as they are read: a shift of each 16-bit value, in registers.
 
 On a CPU with AVX-512 and head_dim 64 or 128, intrinsics sum 16 keys' scores at a time and keep the
-weighted sum of the values in registers, with the reads of the key and value 32 positions on in flight:
-~1.6x the portable loops over fp32 and ~2.8x over bf16 at 416 columns read from memory, over fp32 at the
-machine's read speed and over bf16 at ~80% of it (docs/benchmarks.md). Every other CPU or shape runs the
+weighted sum of the values in registers: ~1.35x the portable loops over fp32 and ~1.5x over bf16 at 416
+columns read from memory, at 70-100% of the machine's read speed over fp32 and 55-80% over bf16 (both
+paths keep the reads of the key and value 32 positions on in flight; docs/benchmarks.md). Every other CPU
+or shape runs the
 portable loops, which the compiler vectorizes; `torch.ops.agent_r1.decode_attention_portable` runs
 them on any CPU, so the tests cover both.
 
