@@ -253,7 +253,6 @@ def run_chat(cfg: ChatConfig, console: Console | None = None) -> None:
     )  # fmt: skip
     if cfg.prompt is not None:
         traj = asyncio.run(session.send(cfg.prompt, images=cfg.images))
-        engine.wait_idle()  # the decode thread ends before the interpreter does (or the process aborts)
         if cfg.json:
             print(json.dumps({"history": session.history, "trajectory": dataclasses.asdict(traj)}, default=str))
         else:

@@ -238,19 +238,23 @@ class _Parked:
 
 
 _ENGINES: weakref.WeakSet[LocalEngine] = weakref.WeakSet()  # the live engines, for _stop_decode_threads
+_DECODE_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # every decode thread started
 
 
 @atexit.register
 def _stop_decode_threads() -> None:
-    """At exit, stop each engine's decode thread between two steps. SIGTERM or Ctrl-C mid-rollout
-    (`cli.exit_on_sigterm`) exits while the daemon thread is inside a forward pass, and torch torn down
-    under it aborted the process ("terminate called without an active exception", exit 134, not 143)."""
+    """At exit, stop each engine's decode thread between two steps and wait until every one has ended.
+    SIGTERM or Ctrl-C mid-rollout (`cli.exit_on_sigterm`) exits while the daemon thread is inside a forward
+    pass, and torch torn down under it aborted the process ("terminate called without an active
+    exception", exit 134, not 143). A thread that has left its last step is not done either: it still
+    leaves its heap and holds the engine (its target), and when that was the engine's last reference
+    the thread freed the engine's tensors while the interpreter was being finalized, the same abort
+    (1 in ~45 `agent-r1 chat --prompt` runs on a loaded machine). So every decode thread is joined."""
     for engine in list(_ENGINES):
         with engine._cond:
             engine._swapping += 1  # the decode thread leaves at the next token boundary (_work)
-            thread = engine._thread
-        if thread is not None:
-            thread.join(timeout=60)
+    for thread in list(_DECODE_THREADS):
+        thread.join(timeout=60)
 
 
 class LocalEngine:
@@ -420,9 +424,9 @@ class LocalEngine:
             return self._thread is None
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
-        """Wait for the decode thread to exit (cancelled rows are freed at its next step). Call it before
-        the interpreter exits: a daemon thread still in a forward pass then aborts the process
-        ("terminate called without an active exception"). Returns whether the engine went idle."""
+        """Wait until no sequence is waiting or running and the decode thread has left its loop (cancelled
+        rows are freed at its next step). Returns whether the engine went idle. (At exit the thread is
+        also joined, `_stop_decode_threads`.)"""
         deadline = time.monotonic() + timeout
         while not self.idle and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -533,6 +537,7 @@ class LocalEngine:
         busy = self._waiting or self._running  # running: sequences a between-token pause left mid-answer
         if self._thread is None and busy and not self._paused and not self._swapping:
             self._thread = threading.Thread(target=self._work, name="agent-r1-decode", daemon=True)
+            _DECODE_THREADS.add(self._thread)
             self._thread.start()
 
     # --- the decode thread ----------------------------------------------------------------------

@@ -69,7 +69,7 @@ class EngineGroups:
 
     def close(self) -> None:
         if hasattr(self.engine, "wait_idle"):
-            self.engine.wait_idle()  # a decode thread in a forward pass at interpreter exit aborts the process
+            self.engine.wait_idle()  # no forward pass goes on after the producer has stopped
 
 
 STALL_GROUPS = 4  # steps' worth of groups in a row left out (all errored, or too stale): the run stops

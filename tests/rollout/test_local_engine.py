@@ -795,3 +795,40 @@ def test_sigterm_mid_decode_exits_143_not_an_abort():
         assert rc == 128 + signal.SIGTERM, f"exit {rc}: {proc.stderr.read()[-500:]}"
     finally:
         proc.kill()
+
+
+LEFT_WHILE_THE_THREAD_ENDS = """
+import atexit, ctypes, threading
+atexit.register(lambda: print("alive", sum(t.name == "agent-r1-decode" for t in threading.enumerate())))  # runs last
+from transformers import AutoTokenizer
+from agent_r1.models.loading import resolve_model_path
+from agent_r1.rollout.engine import SamplingParams
+from agent_r1.rollout.local_engine import LocalEngine
+from agent_r1.utils import malloc
+from tests.conftest import make_tiny_llama
+
+libc = ctypes.CDLL(None)
+malloc.trim_heap = lambda: libc.usleep(1_000_000)  # the thread's last malloc_trim is slow (and frees the GIL)
+tok = AutoTokenizer.from_pretrained(resolve_model_path("default"))
+engine = LocalEngine(make_tiny_llama(len(tok), hidden=32), tok)
+engine.generate_batch([tok.encode("Hello")], SamplingParams(max_new_tokens=4), seeds=[0])
+assert engine.wait_idle()
+"""
+
+
+def test_the_interpreter_exits_only_after_the_decode_thread_has_ended():
+    """`agent-r1 chat --prompt` aborted in ~1 of 45 runs on a loaded machine ("terminate called without an
+    active exception"): once idle, the decode thread still left its heap and then freed the engine it held,
+    and when the main thread had already let the engine go, those tensors were freed while the interpreter
+    was being finalized. At exit every decode thread is now joined, however far it has got."""
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", LEFT_WHILE_THE_THREAD_ENDS],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-1000:]
+    assert out.stdout.split() == ["alive", "0"], out.stdout + out.stderr[-1000:]
