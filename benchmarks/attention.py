@@ -81,7 +81,7 @@ def main() -> None:
     slots = torch.arange(rows)
     portable = torch.ops.agent_r1.decode_attention_portable  # its loops without this CPU's intrinsics
     simd = torch.ops.agent_r1.decode_attention_simd()
-    print(f"the kernel's AVX-512 path: {'built' if simd else 'not in this build'} (-march={args.march})")
+    print(f"the kernel's row intrinsics: {'built' if simd else 'not in this build'} (-march={args.march})")
     print(
         "| columns | keys, values | SDPA (fp32, one call) | kernel, portable loops | kernel | speed-up | "
         "at memory speed | max difference |"

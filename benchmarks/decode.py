@@ -19,7 +19,7 @@ over the context (4 x layers x hidden x context: scores and the weighted sum).
 `--kv-cache-dtypes float32,bfloat16` runs the current engine once with each KV storage
 (`LocalEngine(kv_cache_dtype=...)`; serve's `kv_cache_dtype=bf16`), `--repeats N` every engine N times,
 interleaved. `--portable-kernel` also runs each on the decode kernel's portable loops, what a CPU without
-AVX-512 runs (`rollout/decode_attention.cpp`).
+AVX-512 or AVX2 runs (`rollout/decode_attention.cpp`).
 
 `--spread S` draws each prompt's length uniformly from prompt-tokens +- S (rows of unlike lengths, as a
 rollout's turns are).
@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument(
         "--portable-kernel",
         action="store_true",
-        help="also run each engine on the decode kernel's portable loops (a CPU without AVX-512)",
+        help="also run each engine on the decode kernel's portable loops (a CPU without AVX-512 or AVX2)",
     )
     args = parser.parse_args()
     torch.set_grad_enabled(False)

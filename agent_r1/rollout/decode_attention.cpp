@@ -19,7 +19,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -36,7 +36,7 @@ inline float widen(c10::BFloat16 x) {  // bf16 is fp32's top half: a shift, whic
 }
 
 // Ask for the key (or value) kAhead positions on while this one is used (the rows' loops, portable and
-// AVX-512). A row's keys for a kv head are one stream of W x 128 (bf16) or 256 (fp32) bytes, read while
+// intrinsics). A row's keys for a kv head are one stream of W x 128 (bf16) or 256 (fp32) bytes, read while
 // its scores are computed; the hardware prefetcher alone kept too few reads in flight for that. At 64
 // rows x 416 columns read from memory (benchmarks/attention.py; docs/benchmarks.md): AVX-512 over fp32
 // from ~88% of memory speed to all of it, over bf16 from 60-75% to ~82%; an AVX2 build's loops 16%
@@ -100,23 +100,33 @@ struct Simd {
   int chunk_heads = 0;
 };
 
-#if defined(__AVX512F__)
-// The same work with AVX-512 intrinsics, for head_dim 64 or 128 (ND = head_dim / 16 registers a key).
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// The same work with intrinsics, for head_dim 64 or 128 (ND = head_dim / kVec registers a key): AVX-512's
+// 16 lanes where the CPU has them, else AVX2's 8 (most laptops; x86-64-v3).
 //
-// Why: the loops above leave the compiler one horizontal sum of 16 lanes per key and query head, and over
-// bf16 storage those sums, not the memory, bound the kernel (~40-55% of the machine's read speed; docs/
-// benchmarks.md). Here 16 keys' products are summed together, by a transpose-and-add tree (~3
-// instructions a key, not ~8), each key is loaded and widened once for all G query heads, and the
-// weighted sum of the values stays in registers. What is summed is the same; only the order of the fp32
-// additions differs (~1e-7).
-inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const c10::BFloat16* x) {  // 16 bf16 widened: zero-extend to 32 bits, shift to the top
+// Why: the loops above leave the compiler one horizontal sum of a register's lanes per key and query head,
+// and those sums, not the memory, bound the kernel (AVX-512 over bf16: ~40-55% of the machine's read speed;
+// an AVX2 build over fp32: ~75%; docs/benchmarks.md). Here a register's worth of keys' products are summed
+// together, by a transpose-and-add tree (~3 instructions a key, not ~8), each key is loaded and widened once
+// for all G query heads, and the weighted sum of the values stays in registers. What is summed is the same;
+// only the order of the fp32 additions differs (~1e-7).
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int kVec = 16;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vset1(float x) { return _mm512_set1_ps(x); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline void vstore(float* p, Vec x) { _mm512_storeu_ps(p, x); }
+inline float vreduce(Vec x) { return _mm512_reduce_add_ps(x); }
+inline Vec vload(const float* x) { return _mm512_loadu_ps(x); }
+inline Vec vload(const c10::BFloat16* x) {  // 16 bf16 widened: zero-extend to 32 bits, shift to the top
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 // lane j of the result = the sum of v[j]'s 16 lanes
-inline __m512 sum16(const __m512* v) {
+inline Vec sum_lanes(const Vec* v) {
   __m512 t[8], u[4], w[2];
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of keys 2i, 2i+1
     t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
@@ -127,59 +137,90 @@ inline __m512 sum16(const __m512* v) {
                          _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
 }
+#else
+using Vec = __m256;
+constexpr int kVec = 8;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset1(float x) { return _mm256_set1_ps(x); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline void vstore(float* p, Vec x) { _mm256_storeu_ps(p, x); }
+inline float vreduce(Vec x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline Vec vload(const float* x) { return _mm256_loadu_ps(x); }
+inline Vec vload(const c10::BFloat16* x) {  // 8 bf16 widened: zero-extend to 32 bits, shift to the top
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// lane j of the result = the sum of v[j]'s 8 lanes
+inline Vec sum_lanes(const Vec* v) {
+  __m256 t[4], u[2];
+  for (int i = 0; i < 4; ++i)  // per 128-bit half: [a01, a23, b01, b23] of keys 2i (a), 2i + 1 (b)
+    t[i] = _mm256_hadd_ps(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 2; ++i)  // per half: the half's sums of keys 4i .. 4i + 3
+    u[i] = _mm256_hadd_ps(t[2 * i], t[2 * i + 1]);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
+}
+#endif
 
 template <int G, int ND, typename T>
 void scores_simd(const float* q, const T* k, int64_t ks, int64_t W, float scale, float* p) {
-  __m512 qv[G][ND];
+  Vec qv[G][ND];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < ND; ++c) qv[g][c] = _mm512_loadu_ps(q + (g * ND + c) * 16);
-  const __m512 sc = _mm512_set1_ps(scale);
+    for (int c = 0; c < ND; ++c) qv[g][c] = vload(q + (g * ND + c) * kVec);
+  const Vec sc = vset1(scale);
   int64_t w = 0;
-  for (; w + 16 <= W; w += 16) {
-    __m512 acc[G][16];  // 16 keys' products; what does not fit in the 32 registers the compiler spills to L1
-    for (int j = 0; j < 16; ++j) {
+  for (; w + kVec <= W; w += kVec) {
+    Vec acc[G][kVec];  // a register's worth of keys' products; what does not fit in the registers spills to L1
+    for (int j = 0; j < kVec; ++j) {
       const T* kw = k + (w + j) * ks;
-      if (w + j + kAhead < W) prefetch_key(kw + kAhead * ks, ND * 16);
-      for (int g = 0; g < G; ++g) acc[g][j] = _mm512_setzero_ps();
+      if (w + j + kAhead < W) prefetch_key(kw + kAhead * ks, ND * kVec);
+      for (int g = 0; g < G; ++g) acc[g][j] = vzero();
       for (int c = 0; c < ND; ++c) {
-        const __m512 x = load16(kw + c * 16);
-        for (int g = 0; g < G; ++g) acc[g][j] = _mm512_fmadd_ps(qv[g][c], x, acc[g][j]);
+        const Vec x = vload(kw + c * kVec);
+        for (int g = 0; g < G; ++g) acc[g][j] = vfma(qv[g][c], x, acc[g][j]);
       }
     }
-    for (int g = 0; g < G; ++g) _mm512_storeu_ps(p + g * W + w, _mm512_mul_ps(sum16(acc[g]), sc));
+    for (int g = 0; g < G; ++g) vstore(p + g * W + w, vmul(sum_lanes(acc[g]), sc));
   }
-  for (; w < W; ++w) {  // the last W % 16 keys one at a time
+  for (; w < W; ++w) {  // the last W % kVec keys one at a time
     const T* kw = k + w * ks;
-    __m512 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    Vec acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = vzero();
     for (int c = 0; c < ND; ++c) {
-      const __m512 x = load16(kw + c * 16);
-      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(qv[g][c], x, acc[g]);
+      const Vec x = vload(kw + c * kVec);
+      for (int g = 0; g < G; ++g) acc[g] = vfma(qv[g][c], x, acc[g]);
     }
-    for (int g = 0; g < G; ++g) p[g * W + w] = _mm512_reduce_add_ps(acc[g]) * scale;
+    for (int g = 0; g < G; ++g) p[g * W + w] = vreduce(acc[g]) * scale;
   }
 }
 
 // o[g] = sum_w p[g * W + w] * v_w, the G x ND sums in registers, each value loaded and widened once
 template <int G, int ND, typename T>
 void values_simd(const float* p, const T* v, int64_t vs, int64_t W, float* o) {
-  __m512 acc[G][ND];
+  Vec acc[G][ND];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < ND; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int c = 0; c < ND; ++c) acc[g][c] = vzero();
   for (int64_t w = 0; w < W; ++w) {
     const T* vw = v + w * vs;
-    if (w + kAhead < W) prefetch_key(vw + kAhead * vs, ND * 16);
-    __m512 pw[G];
-    for (int g = 0; g < G; ++g) pw[g] = _mm512_set1_ps(p[g * W + w]);
+    if (w + kAhead < W) prefetch_key(vw + kAhead * vs, ND * kVec);
+    Vec pw[G];
+    for (int g = 0; g < G; ++g) pw[g] = vset1(p[g * W + w]);
     for (int c = 0; c < ND; ++c) {
-      const __m512 x = load16(vw + c * 16);
-      for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(pw[g], x, acc[g][c]);
+      const Vec x = vload(vw + c * kVec);
+      for (int g = 0; g < G; ++g) acc[g][c] = vfma(pw[g], x, acc[g][c]);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < ND; ++c) _mm512_storeu_ps(o + (g * ND + c) * 16, acc[g][c]);
+    for (int c = 0; c < ND; ++c) vstore(o + (g * ND + c) * kVec, acc[g][c]);
 }
+#endif
 
+#if defined(__AVX512F__)
 // e^x for 16 lanes: 2^n * e^r with n = round(x / ln 2) and |r| <= ln 2 / 2, e^r by its Taylor series to r^7
 // (relative error < 2e-8 before rounding, at the level of libm's expf); scalef gives 0 where 2^n underflows
 // (x = -inf included).
@@ -295,25 +336,36 @@ void chunk_tile(const Tile& t, const T* k, int64_t ks, const T* v, int64_t vs, i
     }
   }
 }
+#endif
 
-// The intrinsics for (G, head_dim) where they exist: the G x ND sums of the values must fit in the 32
-// registers beside a value and G weights
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// The intrinsics for G query heads of head_dim ND x kVec: the rows' where the G x ND sums of the values fit
+// in the registers (`rows`), and AVX-512's tile; an AVX2 build's tiles are the portable loops'
+// (`with_tile_loops`)
+template <int G, int ND, typename T>
+Simd<T> simd_of(bool rows) {
+#if defined(__AVX512F__)
+  return {rows ? scores_simd<G, ND, T> : nullptr, rows ? values_simd<G, ND, T> : nullptr, chunk_tile<G, ND, T>, G};
+#else
+  return {rows ? scores_simd<G, ND, T> : nullptr, rows ? values_simd<G, ND, T> : nullptr, nullptr, 0};
+#endif
+}
+
 template <typename T, int ND>
 Simd<T> simd_for_group(int64_t G) {
   switch (G) {
-    case 1: return {scores_simd<1, ND, T>, values_simd<1, ND, T>, chunk_tile<1, ND, T>, 1};
-    case 2: return {scores_simd<2, ND, T>, values_simd<2, ND, T>, chunk_tile<2, ND, T>, 2};
-    case 3: return {scores_simd<3, ND, T>, values_simd<3, ND, T>, chunk_tile<3, ND, T>, 3};
-    case 4: return ND * 4 <= 24 ? Simd<T>{scores_simd<4, ND, T>, values_simd<4, ND, T>, chunk_tile<4, ND, T>, 4}
-                                : Simd<T>{nullptr, nullptr, chunk_tile<4, ND, T>, 4};
+    case 1: return simd_of<1, ND, T>(ND <= 24);
+    case 2: return simd_of<2, ND, T>(2 * ND <= 24);
+    case 3: return simd_of<3, ND, T>(3 * ND <= 24);
+    case 4: return simd_of<4, ND, T>(4 * ND <= 24);
     default:  // more query heads a kv head than any bundled model has: a tile one query head at a time
-      return {nullptr, nullptr, chunk_tile<1, ND, T>, 1};
+      return simd_of<1, ND, T>(false);
   }
 }
 
 template <typename T>
 Simd<T> simd_for(int64_t G, int64_t D) {
-  return D == 64 ? simd_for_group<T, 4>(G) : D == 128 ? simd_for_group<T, 8>(G) : Simd<T>{};
+  return D == 64 ? simd_for_group<T, 64 / kVec>(G) : D == 128 ? simd_for_group<T, 128 / kVec>(G) : Simd<T>{};
 }
 #else
 template <typename T>
@@ -614,7 +666,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   run(q, k, v, slots, starts, ends, scale, out, false);
 }
 
-// The portable loops alone, whatever this CPU has: what a CPU without AVX-512 runs, testable on one with it
+// The portable loops alone, whatever this CPU has: what a CPU without AVX-512 or AVX2 runs, testable on one with it
 void decode_attention_portable(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& slots, const at::Tensor& starts, const at::Tensor& ends,
                                double scale, const at::Tensor& out) {

@@ -30,13 +30,15 @@ says None and the engine runs SDPA per segment as before: the same results to ro
 Keys and values stored in bf16 (`LocalEngine(kv_cache_dtype=torch.bfloat16)`, `agent-r1 serve
 kv_cache_dtype=bf16`) are widened to fp32 as they are read: a shift of each 16-bit value, in registers.
 
-On a CPU with AVX-512 and head_dim 64 or 128, intrinsics sum 16 keys' scores at a time and keep the
-weighted sum of the values in registers: ~1.35x the portable loops over fp32 and ~1.5x over bf16 at 416
-columns read from memory, at 70-100% of the machine's read speed over fp32 and 55-80% over bf16 (both
-paths keep the reads of the key and value 32 positions on in flight; docs/benchmarks.md). Every other CPU
-or shape runs the
-portable loops, which the compiler vectorizes; `torch.ops.agent_r1.decode_attention_portable` runs
-them on any CPU, so the tests cover both.
+With head_dim 64 or 128, a decoding row's intrinsics sum a register's worth of keys' scores at a time
+(16 on a CPU with AVX-512, 8 on one with AVX2 and FMA: most laptops) and keep the weighted sum of the values
+in registers. With AVX-512: ~1.35x the portable loops over fp32 and ~1.5x over bf16 at 416 columns read
+from memory, at 70-100% of the machine's read speed over fp32 and 55-80% over bf16. An AVX2 build
+(`benchmarks/attention.py --march x86-64-v3`): ~1.2x its portable loops over fp32 and ~1.4x over bf16,
+at ~85% of the read speed (both paths keep the reads of the key and value 32 positions on in flight;
+docs/benchmarks.md). Every other CPU or shape, and an AVX2 build's prompt tiles, run the portable loops,
+which the compiler vectorizes; `torch.ops.agent_r1.decode_attention_portable` runs them on any CPU, so
+the tests cover both, and an AVX2 build is tested beside this CPU's.
 
 The same library holds `rope_store`: a layer's rotary embedding and its keys' and values' writes to their
 slots in one op, for `kv_cache.FusedSlotAttention`.

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +32,7 @@ def row_by_row(q, k, v, slots, starts, ends, scale):
 
 
 def kernels() -> dict[str, object]:
-    """The kernel as the engine calls it (AVX-512 intrinsics where the CPU has them) and its portable
+    """The kernel as the engine calls it (AVX-512 or AVX2 intrinsics where the CPU has them) and its portable
     loops alone (what every other CPU runs): both are tested on any machine."""
     kernel = kernel_for(torch.float32, torch.device("cpu"))
     assert kernel is not None  # it builds wherever the tests run: a compiler comes with the machine
@@ -53,6 +57,45 @@ def test_each_row_attends_to_exactly_its_columns_of_its_slot(group, dim, path):
     kernels()[path](q, k, v, slots, starts, ends, 0.125, out)
     assert (out - row_by_row(q, k, v, slots, starts, ends, 0.125)).abs().max().item() < 1e-5
     assert (out[0] == v[5, :, 0, None]).all()  # one column: its value, whatever the score
+
+
+AVX2_BUILD = """
+import torch, torch.nn.functional as F
+from agent_r1.rollout import decode_attention
+kernel = decode_attention._build("x86-64-v3")  # one build a process: this one's kernel is the AVX2 build's
+assert torch.ops.agent_r1.decode_attention_simd(), "the AVX2 build has no row intrinsics"
+for dtype in (torch.float32, torch.bfloat16):
+    for dim in (64, 128, 48):
+        for group in (1, 2, 3, 4, 6):
+            torch.manual_seed(group * dim)
+            k, v = torch.randn(2, 5, 2, 300, dim).to(dtype)  # [slots, Hkv, capacity, D] each
+            slots = torch.tensor([4, 0, 3, 1, 2])
+            ends = torch.tensor([1, 77, 299, 13, 200])  # blocks of 8 keys, remainders, one column
+            starts = torch.tensor([0, 60, 0, 9, 33])
+            q = torch.randn(len(slots), 2, group, dim)
+            out = torch.full_like(q, float("nan"))
+            kernel(q, k, v, slots, starts, ends, 0.125, out)
+            for i, (s, a, b) in enumerate(zip(slots.tolist(), starts.tolist(), ends.tolist())):
+                ref = F.scaled_dot_product_attention(q[i], k[s, :, a:b].float(), v[s, :, a:b].float(), scale=0.125)
+                err = (out[i] - ref).abs().max().item()
+                assert err < 1e-5, f"{dtype} head_dim {dim}, {group} query heads, row {i}: off by {err}"
+print("checked")
+"""
+
+
+CPU_FLAGS = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= set(CPU_FLAGS.split()), reason="an AVX2 build needs a CPU with AVX2")
+def test_an_avx2_build_has_row_intrinsics_that_compute_sdpa():
+    """Most laptops have AVX2 and not AVX-512: their build (x86-64-v3) sums 8 keys' scores at a time with
+    intrinsics, as the AVX-512 build does 16. Built here in a process of its own, its rows must be SDPA's
+    over each row's own columns for every head size and group, over fp32 and bf16 keys."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    args = [sys.executable, "-c", AVX2_BUILD]
+    out = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "checked", out.stderr[-2000:]
 
 
 def chunk_rows(slot: int, held: int, count: int, window: int | None = None):
