@@ -35,7 +35,7 @@ With head_dim 64 or 128, a decoding row's intrinsics sum a register's worth of k
 in registers. With AVX-512: ~1.35x the portable loops over fp32 and ~1.5x over bf16 at 416 columns read
 from memory, at 70-100% of the machine's read speed over fp32 and 55-80% over bf16. An AVX2 build
 (`benchmarks/attention.py --march x86-64-v3`): ~1.2x its portable loops over fp32 and ~1.4x over bf16,
-at ~85% of the read speed (both paths keep the reads of the key and value 32 positions on in flight;
+at 73-89% of the read speed over fp32 (both paths keep the reads of the key and value 32 positions on in flight;
 docs/benchmarks.md). Every other CPU or shape, and an AVX2 build's prompt tiles, run the portable loops,
 which the compiler vectorizes; `torch.ops.agent_r1.decode_attention_portable` runs them on any CPU, so
 the tests cover both, and an AVX2 build is tested beside this CPU's.
