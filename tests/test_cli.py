@@ -158,12 +158,13 @@ def test_sigterm_stops_the_servers_a_command_started():
 
 def test_the_command_list_and_a_light_commands_help_do_not_import_torch():
     """`agent-r1 --help` took 7 s when every command's module was imported up front (torch, transformers,
-    FastAPI); a command's module is now imported when it runs or its --help is read."""
+    FastAPI); a command's module is now imported when it runs or its --help is read. The viewer reads
+    JSON records and needs no torch either."""
     import subprocess
 
     probe = (
         "import contextlib, sys\nfrom agent_r1.cli import main\n"
-        "for argv in (['--help'], ['plot', '--help']):\n"
+        "for argv in (['--help'], ['plot', '--help'], ['view', '--help']):\n"
         "    with contextlib.suppress(SystemExit):\n        main(argv)\n"
         "print('torch imported:', 'torch' in sys.modules)\n"
     )

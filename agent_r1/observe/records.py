@@ -15,13 +15,13 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from agent_r1.models.vision import png_data_url
 from agent_r1.rollout.merge import extends, merge_trajectory
 from agent_r1.types import Step, Termination, TrainSequence, Trajectory
+
+if TYPE_CHECKING:  # the viewer reads records without torch, which takes seconds to import
+    import torch
 
 TRAJECTORY_DIR = "trajectories"
 _STEP_FILE = re.compile(r"step_(\d+)\.jsonl\.gz$")
@@ -79,6 +79,7 @@ def _turns(traj: Trajectory, rows: list[dict[str, Any]], tokenizer: Any) -> list
 
     When the env rewrote the context (the prompt does not extend the previous one) the whole prompt is
     shown and `rewritten` is set."""
+    from agent_r1.models.vision import png_data_url  # imports torch: only where records are written
     step_adv = _step_advantages(rows)
     turns, context, shown = [], None, 0
     for s in traj.steps:
