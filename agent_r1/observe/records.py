@@ -80,6 +80,7 @@ def _turns(traj: Trajectory, rows: list[dict[str, Any]], tokenizer: Any) -> list
     When the env rewrote the context (the prompt does not extend the previous one) the whole prompt is
     shown and `rewritten` is set."""
     from agent_r1.models.vision import png_data_url  # imports torch: only where records are written
+
     step_adv = _step_advantages(rows)
     turns, context, shown = [], None, 0
     for s in traj.steps:
