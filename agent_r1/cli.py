@@ -105,17 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         quiet_third_party(not verbose)
         argv = [chosen, *flags_to_overrides(cls, argv[1:])]
     ns = parser.parse_args(argv)  # no command: usage and exit
-    paths = [a for a in ns.args if "=" not in a]
-    overrides = [a for a in ns.args if "=" in a]
-    if (key := POSITIONAL.get(ns.command)) and paths and not paths[0].endswith((".yaml", ".yml")):
-        overrides.insert(0, f"{key}={json.dumps(paths.pop(0))}")
-    if ns.command == "demo" and not paths:  # `agent-r1 demo` alone is `make demo`, from any directory
-        paths = [str(RECIPES / "demo.yaml")]
     try:
-        if len(paths) > 1:
-            raise ConfigError(f"give at most one config file, got {', '.join(paths)}")
-        cfg = load_config(cls, paths[0] if paths else None, overrides)
-        run(cfg)
+        run(parse(ns.command, ns.args))
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a torchrun rank: its work is done and written
             from agent_r1.distributed.group import end_rank
 
@@ -130,6 +121,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"agent-r1 {ns.command}: stopped: {exc}", file=sys.stderr)  # checkpoints are whole (resume=true)
         return 1
     return 0
+
+
+def parse(name: str, args: list[str]) -> typing.Any:
+    """The command's typed config from its arguments (`CONFIG.yaml`, `key=value`, `--key value`), every key
+    and task option checked, nothing run: what `main` runs, and how tests/test_docs.py checks each command
+    line the docs show."""
+    cls, _ = command(name)
+    args = flags_to_overrides(cls, args)
+    paths = [a for a in args if "=" not in a]
+    overrides = [a for a in args if "=" in a]
+    if (key := POSITIONAL.get(name)) and paths and not paths[0].endswith((".yaml", ".yml")):
+        overrides.insert(0, f"{key}={json.dumps(paths.pop(0))}")
+    if name == "demo" and not paths:  # `agent-r1 demo` alone is `make demo`, from any directory
+        paths = [str(RECIPES / "demo.yaml")]
+    if len(paths) > 1:
+        raise ConfigError(f"give at most one config file, got {', '.join(paths)}")
+    return load_config(cls, paths[0] if paths else None, overrides)
 
 
 def command(name: str) -> tuple[type, typing.Callable]:

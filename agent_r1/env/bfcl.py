@@ -30,6 +30,7 @@ import contextlib
 import fcntl
 import functools
 import json
+import select
 import subprocess
 import sys
 import tempfile
@@ -100,10 +101,15 @@ class BfclError(RuntimeError):
 
 
 class Worker:
-    """One `bfcl_worker.py` process, shared by every episode of this process; requests are serialised."""
+    """One `bfcl_worker.py` process, shared by every episode of this process; requests are serialised, so
+    each has a deadline: BFCL's own functions can take hours (`logarithm(..., precision=10**8)` sets mpmath
+    to 1e8 digits), and one such call would hold every BFCL episode of the process. A worker past the
+    deadline is killed (the episode errors) and the next request starts a fresh one."""
 
-    def __init__(self, python: str) -> None:
+    def __init__(self, python: str, timeout_s: float = 30.0, script: str | None = None) -> None:
         self.python = python
+        self.timeout_s = timeout_s
+        self.script = script or str(Path(__file__).with_name("bfcl_worker.py"))
         self.lock = threading.Lock()
         self.proc: subprocess.Popen | None = None
 
@@ -111,9 +117,8 @@ class Worker:
         if self.proc is not None:
             self.log.close()  # the dead worker's
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (what the worker prints, for as long as it lives)
-        script = str(Path(__file__).with_name("bfcl_worker.py"))
         proc = subprocess.Popen(
-            [self.python, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True
+            [self.python, self.script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True
         )
         assert proc.stdout is not None
         if proc.stdout.readline() == "":  # it died importing BFCL
@@ -130,6 +135,9 @@ class Worker:
                 try:
                     self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
                     self.proc.stdin.flush()
+                    if not select.select([self.proc.stdout], [], [], self.timeout_s)[0]:
+                        self.close()  # the next request starts a fresh worker
+                        raise BfclError(f"BFCL {op} took over {self.timeout_s:g} s: its worker was killed")
                     line = self.proc.stdout.readline()
                 except (BrokenPipeError, OSError):
                     line = ""
@@ -153,12 +161,13 @@ class Worker:
             self.proc.wait()
 
 
-def worker(python: str | None = None) -> Worker:
+def worker(python: str | None = None, timeout_s: float = 30.0) -> Worker:
     """The process's BFCL worker for that python (started on its first request)."""
     exe = bfcl_python(python)
     with _WORKERS_LOCK:
         if exe not in _WORKERS:
-            _WORKERS[exe] = Worker(exe)
+            _WORKERS[exe] = Worker(exe, timeout_s)
+        _WORKERS[exe].timeout_s = timeout_s
         return _WORKERS[exe]
 
 

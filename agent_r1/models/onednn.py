@@ -3,8 +3,9 @@
 Why: PyTorch's CPU matmul calls MKL's sgemm, and MKL takes its AVX2 code path on CPUs that are not
 Intel's. On this project's AMD EPYC (AVX-512), MKL reaches ~210 GFLOP/s at 1024 rows; oneDNN, which
 ships inside PyTorch and dispatches on the CPU's actual features, reaches ~440. At the 16-row batches
-of decoding the gap is the same: 71 against 150 GFLOP/s (benchmarks/kernels.py, docs/benchmarks.md). Linear layers are
-about 75% of both a decode step and a training step, so this halves most of the time of an RL step.
+of decoding the gap is the same: 71 against 150 GFLOP/s (benchmarks/kernels.py, docs/log/measurements.md).
+Linear layers are about 75% of both a decode step and a training step, so this halves most of the time of an
+RL step.
 
 The switch is a class swap: each `nn.Linear` becomes a `OneDNNLinear`, a subclass whose forward
 calls `torch.ops.mkldnn._linear_pointwise` (the op `torch.compile`'s CPU backend emits for linear
@@ -32,7 +33,7 @@ from torch import nn
 # cache (env ONEDNN_PRIMITIVE_CACHE_CAPACITY, LRU_CACHE_CAPACITY; both 1,024 by default, read when
 # first used). Why: an entry is a product's shape (rows x weight), and each holds ~0.2-0.5 MB. The rows
 # change with every training micro-batch and decode step, so at their default capacity the two caches
-# grew a training process by ~0.4 GB over its first RL steps (docs/benchmarks.md). Making a product
+# grew a training process by ~0.4 GB over its first RL steps (docs/log/measurements.md). Making a product
 # again costs little beside computing it: 64 entries changed no timing we measured, and the same
 # shape always gets the same kernel, so no result changes.
 ONEDNN_CACHE_ENTRIES = 64
@@ -287,7 +288,7 @@ def use_onednn(model: nn.Module) -> int:
     On a machine without a GPU it also lets SDPA run grouped-query attention itself when there is a
     mask (`TRANSFORMERS_SDPA_FORCE_GQA`): transformers otherwise copies every key and value head
     `num_key_value_groups` times first (`repeat_kv`). On this CPU the masked attention of a [64, 60]
-    prefill over 360 keys takes 33 ms instead of 81, with bitwise the same output (docs/benchmarks.md).
+    prefill over 360 keys takes 33 ms instead of 81, with bitwise the same output (docs/log/measurements.md).
     On CUDA, SDPA falls back to its slow math kernel for GQA with a mask, so the default stays there.
 
     Llama-family MLPs (`SWIGLU_FORWARDS`) get `RecomputedSwiGLU` mixed into their class and RMSNorms

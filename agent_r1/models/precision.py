@@ -8,7 +8,7 @@ The precision policy (as in verl's FSDP workers and Megatron's mixed precision):
   at a logit of 30), and a bf16 log-prob by ~1e-2, the size of a PPO clip;
 - inference-only commands (eval, chat, serve) have no optimizer, so `dtype=bf16` stores the weights in
   bf16: half the memory, the same compute as autocast.
-bf16 is a GPU choice: CPUs without AMX run it slower than fp32 (docs/benchmarks.md), and the oneDNN
+bf16 is a GPU choice: CPUs without AMX run it slower than fp32 (docs/log/measurements.md), and the oneDNN
 linear layers (models/onednn.py) are used only for fp32 on a CPU.
 
 The compute dtype travels with the model (`set_precision`), so every forward — the local engine's

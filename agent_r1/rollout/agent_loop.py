@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import uuid
 from array import array
 from collections import Counter
@@ -34,14 +35,16 @@ class AgentEnvLoop:
         sampling: SamplingParams,
         *,
         prompt_format: PromptFormat | None = None,
-        max_steps: int = 32,
+        max_steps: int | None = None,
         seed: int | None = None,
     ) -> None:
         self.engine = engine
         self.make_env = make_env
         self.sampling = sampling
         self.prompt_format = prompt_format  # only needed by envs that return messages or text
-        self.max_steps = max_steps  # a safety cap; envs normally end episodes themselves
+        # The env ends its episodes (its turn budget is the task's `max_turns`, τ²'s and the gateway's their
+        # own); a cap here would cut them short whatever the config says. `max_steps` is a caller's own cap.
+        self.max_steps = max_steps
         self.seed = seed
 
     async def run(
@@ -92,11 +95,12 @@ class AgentEnvLoop:
     ) -> None:
         if cohort is not None:
             cohort.join()
-        env = self.make_env()
+        env = None
         try:
+            env = self.make_env()  # inside: a server that cannot (re)start ends this episode, not the group
             obs: Observation | None = await env.reset(traj.task)
             traj.termination = Termination.MAX_TURNS
-            for turn in range(self.max_steps):
+            for turn in itertools.count() if self.max_steps is None else range(self.max_steps):
                 prompt, images = self._prompt(obs)
                 if len(prompt) >= self.engine.max_context:
                     traj.termination = Termination.CONTEXT_OVERFLOW
@@ -132,15 +136,18 @@ class AgentEnvLoop:
                     traj.termination = Termination(info.get("termination", Termination.ANSWERED))
                     break
         except Exception as exc:  # a broken env or engine ends this trajectory, not the run
-            traj.termination = Termination.ERROR
-            traj.error = f"{type(exc).__name__}: {exc}"[:500]
+            fail(traj, exc)
         finally:
             if cohort is not None:
                 cohort.leave()
             if (close := getattr(env, "close", None)) is not None:
                 with contextlib.suppress(Exception):
                     await close()
-        traj.metrics = trajectory_metrics(traj)
+        try:
+            traj.metrics = trajectory_metrics(traj)
+        except Exception as exc:  # an env's info that is not numbers (a reward part "n/a"): the episode errors
+            fail(traj, exc)
+            traj.metrics = {"reward": 0.0, "turns": float(len(traj.steps))}
         if on_done is not None:
             on_done(traj, index)
 
@@ -160,6 +167,12 @@ class AgentEnvLoop:
             raise ValueError("env returned messages/text: give AgentEnvLoop a prompt_format")
         messages = obs.messages if obs.messages is not None else [{"role": "user", "content": obs.text}]
         return self.prompt_format.initial(messages), self.prompt_format.images(messages)
+
+
+def fail(traj: Trajectory, exc: BaseException) -> None:
+    """End `traj` as errored, saying why: it is counted, left out of the update, and the run goes on."""
+    traj.termination = Termination.ERROR
+    traj.error = f"{type(exc).__name__}: {exc}"[:500]
 
 
 def obs_state(obs: Observation | None, prompt: list[int], images: list[Image] = ()) -> str:

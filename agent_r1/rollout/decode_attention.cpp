@@ -38,7 +38,7 @@ inline float widen(c10::BFloat16 x) {  // bf16 is fp32's top half: a shift, whic
 // Ask for the key (or value) kAhead positions on while this one is used (the rows' loops, portable and
 // intrinsics). A row's keys for a kv head are one stream of W x 128 (bf16) or 256 (fp32) bytes, read while
 // its scores are computed; the hardware prefetcher alone kept too few reads in flight for that. At 64
-// rows x 416 columns read from memory (benchmarks/attention.py; docs/benchmarks.md): AVX-512 over fp32
+// rows x 416 columns read from memory (benchmarks/attention.py; docs/log/measurements.md): AVX-512 over fp32
 // from ~88% of memory speed to all of it, over bf16 from 60-75% to ~82%; an AVX2 build's loops 16%
 // faster over fp32 and 35-45% over bf16. The sums do not change.
 constexpr int64_t kAhead = 32;
@@ -106,7 +106,7 @@ struct Simd {
 //
 // Why: the loops above leave the compiler one horizontal sum of a register's lanes per key and query head,
 // and those sums, not the memory, bound the kernel (AVX-512 over bf16: ~40-55% of the machine's read speed;
-// an AVX2 build over fp32: ~75%; docs/benchmarks.md). Here a register's worth of keys' products are summed
+// an AVX2 build over fp32: ~75%; docs/log/measurements.md). Here a register's worth of keys' products are summed
 // together, by a transpose-and-add tree (~3 instructions a key, not ~8), each key is loaded and widened once
 // for all G query heads, and the weighted sum of the values stays in registers. What is summed is the same;
 // only the order of the fp32 additions differs (~1e-7).
@@ -375,7 +375,7 @@ Simd<T> simd_for(int64_t, int64_t) { return {}; }  // the portable loops only
 // The tile with portable loops, for any CPU and head_dim: a lane is an element of a fixed-length array the
 // compiler vectorizes (two AVX2 registers, four NEON ones), so each key is read once for the tile's 16 tokens
 // and the kv head's G query heads, as with the intrinsics (a row a token read it 16 times: 2-2.4x slower on
-// an AVX2 build, docs/benchmarks.md). A lane's sums are its own and in column order here too, so a token's
+// an AVX2 build, docs/log/measurements.md). A lane's sums are its own and in column order here too, so a token's
 // output does not depend on its tile. No infinities: the build assumes none (-ffast-math).
 constexpr int kLanes = 16;
 
@@ -676,7 +676,7 @@ void decode_attention_portable(const at::Tensor& q, const at::Tensor& k, const a
 // Rotary embedding of a packed pass's queries and keys, and the keys and values stored at their slots and
 // columns: what transformers' `apply_rotary_pos_emb` and `SlotCache`'s update do in ~20 tensor ops a layer
 // (slices, a negation, a concatenation, products, sums, two scattered writes), in one pass over the tokens
-// (`kv_cache.FusedSlotAttention`; what it saves: docs/benchmarks.md).
+// (`kv_cache.FusedSlotAttention`; what it saves: docs/log/measurements.md).
 //
 // The same floating-point operations in the same order as transformers' (x * cos + rotate_half(x) * sin, each
 // product rounded, no fused multiply-add), so the keys and the attention's queries are bitwise what they are

@@ -5,7 +5,7 @@ PyTorch's SDPA runs that as a batch of tiny GEMMs (~10 GB/s of fp32 keys on two 
 one width per call, so the engine cut the rows into segments (`local_engine._row_runs`). The kernel
 takes every decoding row of a pass in one call, each reading exactly its own columns, and reads a kv
 head's keys once for all the query heads that share it: 2-2.7x SDPA's speed at 64 rows of 64-1,000
-columns with its portable loops, 3.2-5.7x with AVX-512 (`benchmarks/attention.py`, docs/benchmarks.md).
+columns with its portable loops, 3.2-5.7x with AVX-512 (`benchmarks/attention.py`, docs/log/measurements.md).
 It is the split of FlashDecoding (Dao et al. 2023) by sequence and head, the work vLLM's CPU
 paged-attention kernel does over pages.
 
@@ -15,7 +15,7 @@ of 16 tokens whose queries fill a vector's lanes (an AVX-512 register; two AVX2 
 the portable loops): each key is read once for the tile and for the query heads that share it, not once
 a token. With AVX-512, 1.6-3.4x a row a token and 1.2-2.1x SDPA's flash kernel over a masked chunk (which
 on two cores reaches ~100 GFLOP/s with head_dim 64); an AVX2 build's portable tiles, 2-2.4x its rows
-and 0.8-1.4x SDPA's with torch on AVX2 too (docs/benchmarks.md). A lane's sums are its own, so a
+and 0.8-1.4x SDPA's with torch on AVX2 too (docs/log/measurements.md). A lane's sums are its own, so a
 token's output does not depend on where its prompt was cut into chunks. The threads split the work by
 the columns it reads, so a chunk's long rows and the decoding rows' short ones are shared evenly.
 
@@ -36,7 +36,7 @@ in registers. With AVX-512: ~1.35x the portable loops over fp32 and ~1.5x over b
 from memory, at 70-100% of the machine's read speed over fp32 and 55-80% over bf16. An AVX2 build
 (`benchmarks/attention.py --march x86-64-v3`): ~1.2x its portable loops over fp32 and ~1.4x over bf16,
 at 73-89% of the read speed over fp32 (both paths keep the reads of the key and value 32 positions on in flight;
-docs/benchmarks.md). Every other CPU or shape, and an AVX2 build's prompt tiles, run the portable loops,
+docs/log/measurements.md). Every other CPU or shape, and an AVX2 build's prompt tiles, run the portable loops,
 which the compiler vectorizes; `torch.ops.agent_r1.decode_attention_portable` runs them on any CPU, so
 the tests cover both, and an AVX2 build is tested beside this CPU's.
 

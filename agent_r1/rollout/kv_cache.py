@@ -237,7 +237,7 @@ class FusedSlotAttention(ForwardMixin):
     transformers' forward spends ~25 tensor ops a layer on views, the rotation's slices and concatenation,
     two scattered writes and copies between layouts: at 64 decoding rows, small tensors whose overhead
     was 4-29 ms of a 110-150 ms step, and over a prefill pass's thousands of tokens several passes over
-    memory (prefill 14-23% faster; docs/benchmarks.md). The results are bitwise the class's own
+    memory (prefill 14-23% faster; docs/log/measurements.md). The results are bitwise the class's own
     forward's (tested). Every other forward (the trainer's, SDPA's passes, bf16 autocast) is the class's
     own."""
 

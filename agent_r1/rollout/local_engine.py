@@ -853,7 +853,7 @@ class LocalEngine:
                 keep.append(t - 1)
         # every token of the pass in one call of the kernel, each reading its own columns: a decoding row's, and
         # a prompt chunk's token those up to its own (causal, in tiles of 16 tokens), at 1.2-4x SDPA's speed
-        # (docs/benchmarks.md). The kernel takes fp32 queries (a bf16 model, or bf16 autocast, attends through
+        # (docs/log/measurements.md). The kernel takes fp32 queries (a bf16 model, or bf16 autocast, attends through
         # SDPA, which rounds as the trainer's does)
         fp32 = self.model.dtype == torch.float32 and not torch.is_autocast_enabled(dev.type)
         if fp32 and kernel_for(cache.dtype, cache.device) is not None:

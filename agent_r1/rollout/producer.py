@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 from agent_r1.data.sampler import TaskSampler
 from agent_r1.env.base import Env
-from agent_r1.rollout.agent_loop import AgentEnvLoop
+from agent_r1.rollout.agent_loop import AgentEnvLoop, fail
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.types import Termination, Trajectory
 from agent_r1.utils.openmp import release_openmp_workers
@@ -239,8 +239,16 @@ class AsyncRollout:
         return position
 
     async def _group(self, position: int, version: int) -> None:
-        task = self.sampler.at(position)
-        trajs = await self.runner.run_group(task, self.group_size, position * self.group_size)
+        """Roll out one group and hand it to the trainer, errored if anything raised (a Ray error, a task that
+        cannot be read): a group that never came back would leave its place taken and the trainer waiting."""
+        try:
+            task = self.sampler.at(position)
+            trajs = await self.runner.run_group(task, self.group_size, position * self.group_size)
+        except Exception as exc:
+            group = f"p{position}"
+            trajs = [Trajectory(task={}, traj_id=f"{group}-{g}", group_id=group) for g in range(self.group_size)]
+            for traj in trajs:
+                fail(traj, exc)
         with self._cond:
             self._ready.append(Group(position, trajs, version))
             self._cond.notify_all()

@@ -105,7 +105,7 @@ def _names(rng: random.Random, asked: list[str], n: int, where: list[int]) -> li
     """`n` distinct names; the two asked about (first names `asked`) at positions `where`, and no one else
     with either first name. Why: a person's first name then finds their record. With namesakes
     ("Olga Weiss" asked, "Olga Stahl" in the document), SmolLM2-135M after SFT noted the namesake's value
-    (docs/benchmarks.md, "Why SFT taught no note"), and the task measured telling names apart, not what the
+    (docs/log/measurements.md, "Why SFT taught no note"), and the task measured telling names apart, not what the
     context keeps."""
     others = rng.sample([f"{a} {b}" for a in FIRST if a not in asked for b in LAST], n - 2)
     for name, at in zip(asked, where, strict=True):
@@ -179,7 +179,7 @@ def notes_kept(task: dict[str, Any], results: list[dict[str, Any]]) -> float:
     (first names are unique within a task: `_names`). A turn that notes a value earns +1/2 (potential-based
     shaping, Ng et al. 1999); a note of the wrong person or a miscopied value earns nothing.
     Why: with the outcome alone, a group whose samples all fail, or all succeed, carries no signal, and
-    from the memory SFT most groups were one or the other (docs/benchmarks.md, "RL from a weaker SFT
+    from the memory SFT most groups were one or the other (docs/log/measurements.md, "RL from a weaker SFT
     start"); the notes are where those episodes differ."""
     notes = [_words(str(r["arguments"].get("text", ""))) for r in results if r["name"] == "note" and not r["error"]]
     asked = [(_words(p)[0], _norm(v)) for p, v in zip(task["people"], task["values"], strict=True)]
@@ -225,7 +225,7 @@ def summary(task: dict[str, Any], history: list[Message]) -> str:
     far (and in the summary before), what is left, and the next action. The next action is stated, not
     left to be inferred: with "Read documents 1 to N." alone, the answer after a summary was a rare
     decision cued only by an absent sentence, and SFT learned to read on past both values (0.0% held
-    out, docs/benchmarks.md, "The summarize arm after the same SFT")."""
+    out, docs/log/measurements.md, "The summarize arm after the same SFT")."""
     shown = "\n".join(str(m.get("content", "")) for m in history if m["role"] != "assistant")
     found = [i for i in range(2) if f"{task['people'][i]} lives" in shown or _fact(task, i) in shown]
     read = re.findall(

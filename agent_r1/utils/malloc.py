@@ -5,7 +5,7 @@ raises that threshold to the size of every mmapped block freed (up to 32 MB). Af
 free, PyTorch's many 4-32 MB temporaries (activations, KV buffers, transposed copies) come from the
 heap instead, fragment it and are not given back: `make demo` peaked at 16.8 GB RSS. A fixed 4 MB
 threshold keeps them mmapped: the demo then peaks at ~10 GB. The price is more page faults; two RL
-steps showed no slowdown, whole demo runs maybe 5-10% (docs/benchmarks.md). The CLI calls this
+steps showed no slowdown, whole demo runs maybe 5-10% (docs/log/measurements.md). The CLI calls this
 once at start-up; other allocators (musl, macOS) are left alone. `release_memory` hands back what a
 finished phase freed (the demo calls it between phases, the RL loop after its rollout, update and
 validation).
@@ -13,7 +13,7 @@ validation).
 The rollout engine is the exception (`engine_heap`): a decode step and a prompt chunk allocate and free
 the same 4-32 MB tensors every pass (a 2,048-token chunk's [2048, 1536] MLP states, 64 rows' logits),
 and as fresh mappings every page of each faults on its first write: 14 M page faults and 33 s of system
-time in a 128 s rollout (docs/benchmarks.md). While the engine runs, those stay in the heap.
+time in a 128 s rollout (docs/log/measurements.md). While the engine runs, those stay in the heap.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def engine_heap() -> Iterator[None]:
     Why: under the CLI's 4 MB mmap threshold each of a pass's larger tensors is a fresh mapping whose pages
     fault on first write and go back to the OS when it is freed. In the search rollout of
     `benchmarks/engines.py` that was 14 M page faults and 33 s of system time; the heap cut them to 2.9 M
-    and 8 s, and the rollout from 128 to 110 s (docs/benchmarks.md). It is scoped
+    and 8 s, and the rollout from 128 to 110 s (docs/log/measurements.md). It is scoped
     to the engine's decode thread because the trainer's update is where the demo's peak memory is, and
     its activations of every size do fragment a heap (see the module). On leaving, the thresholds are
     what they were (the CLI's fixed one; a process that never fixed them gets glibc's dynamic maxima) and

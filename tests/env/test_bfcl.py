@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_r1.env.bfcl import BfclEnv, BfclError, bfcl_python, worker
+from agent_r1.env.bfcl import BfclEnv, BfclError, Worker, bfcl_python, worker
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.rollout.agent_loop import AgentEnvLoop
 from agent_r1.rollout.engine import SamplingParams
@@ -139,3 +139,33 @@ def test_a_dead_worker_is_started_again_and_a_bad_request_is_one_error(tokenizer
     with pytest.raises(BfclError, match="BFCL check: KeyError"):
         bfcl.request("check", category="simple_python", id="no_such_item", calls=[])
     assert bfcl.request("items", category="parallel")["ids"][0] == "parallel_0"  # it went on
+
+
+SLOW_WORKER = """
+import json, sys, time
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    request = json.loads(line)
+    if request["op"] == "slow":  # as BFCL's logarithm(..., precision=10**8) does
+        time.sleep(600)
+    print(json.dumps({"op": request["op"]}), flush=True)
+"""
+
+
+def test_a_request_past_its_deadline_kills_the_worker_and_the_next_request_gets_a_fresh_one(tmp_path):
+    import sys
+    import time
+
+    script = tmp_path / "worker.py"
+    script.write_text(SLOW_WORKER)
+    bfcl = Worker(sys.executable, timeout_s=1.0, script=str(script))
+    try:
+        assert bfcl.request("fast") == {"op": "fast"}
+        first = bfcl.proc
+        start = time.monotonic()
+        with pytest.raises(BfclError, match=r"BFCL slow took over 1 s: its worker was killed"):
+            bfcl.request("slow")
+        assert time.monotonic() - start < 10 and first.poll() is not None  # not the 600 s the call wanted
+        assert bfcl.request("fast") == {"op": "fast"} and bfcl.proc is not first
+    finally:
+        bfcl.close()

@@ -142,6 +142,39 @@ def test_env_exception_ends_the_trajectory_not_the_run(engine, tokenizer):
     assert t.termination == Termination.ERROR and "env exploded" in t.error
 
 
+def test_an_env_that_cannot_be_made_ends_its_trajectory_not_the_run(engine, tokenizer):
+    """A local server that cannot restart raises in `make_env`: that episode errors, the others run."""
+    made = []
+
+    def make_env():
+        made.append(1)
+        if len(made) == 1:
+            raise ConnectionError("the env server did not come back")
+        return ChattyEnv(tokenizer, turns=2)
+
+    trajs = AgentEnvLoop(engine, make_env, SamplingParams(max_new_tokens=4), seed=0).run_sync(TASKS[:1], group_size=3)
+    assert [t.termination for t in trajs].count(Termination.ERROR) == 1
+    assert "did not come back" in next(t.error for t in trajs if t.error)
+    assert [t.termination for t in trajs].count(Termination.ANSWERED) == 2
+
+
+class OddPartsEnv(ChattyEnv):
+    async def step(self, action):
+        return StepResult(None, 1.0, True, {"reward_parts": {"judge": "n/a"}})
+
+
+def test_an_info_that_is_not_a_number_ends_the_trajectory_as_errored(engine, tokenizer):
+    (t,) = AgentEnvLoop(engine, lambda: OddPartsEnv(tokenizer), SamplingParams(max_new_tokens=4)).run_sync(TASKS[:1])
+    assert t.termination == Termination.ERROR and "n/a" in t.error and t.metrics["turns"] == 1.0
+
+
+def test_the_env_ends_a_long_episode_not_a_cap_in_the_loop(engine, tokenizer):
+    """τ², BFCL's multi-turn and the gateway take more than 32 model calls: the loop must not cut them."""
+    loop = AgentEnvLoop(engine, lambda: ChattyEnv(tokenizer, turns=40), SamplingParams(max_new_tokens=1), seed=0)
+    (t,) = loop.run_sync(TASKS[1:2])
+    assert len(t.steps) == 40 and t.termination == Termination.ANSWERED and t.reward == 0.5 * 39 + 1.0
+
+
 def test_context_overflow_ends_the_trajectory(engine, tokenizer):
     engine.max_context = 30
     trajs = run(engine, tokenizer, group=1, turns=10)

@@ -119,6 +119,42 @@ def test_groups_that_all_error_are_left_out_and_an_env_that_always_fails_stops_t
         source.close()
 
 
+class FailingRunner:
+    """Ray's errors other than a dead actor, or a runner bug: `run_group` raises instead of returning."""
+
+    def __init__(self):
+        self.calls = 0
+
+    async def run_group(self, task, group_size, first_index):
+        self.calls += 1
+        raise RuntimeError("ray: the object store is full")
+
+    def load_weights(self, state, version, between_tokens=False):
+        return None
+
+
+def test_a_group_that_raises_is_counted_as_errored_and_stops_the_run_instead_of_hanging(tokenizer):
+    runner = FailingRunner()
+    source = AsyncRollout(runner, TaskSampler([{"ids": [10, 50]}], seed=0), tasks_per_step=2, group_size=2,
+                          max_staleness=1)  # fmt: skip
+    result = {}
+    taker = threading.Thread(target=lambda: result.update(out=_take_or_error(source)), daemon=True)
+    taker.start()
+    taker.join(timeout=30)
+    source.close()
+    assert not taker.is_alive(), "the trainer is still waiting for groups that raised"
+    assert isinstance(result["out"], RolloutStalled)
+    assert "the last 8 groups were left out: their episodes all errored" in str(result["out"])
+    assert "object store is full" in str(result["out"]) and runner.calls >= 8
+
+
+def _take_or_error(source):
+    try:
+        return source.take()
+    except RolloutStalled as exc:
+        return exc
+
+
 def test_a_resumed_producer_first_reruns_the_positions_the_checkpoint_had_not_trained(tokenizer):
     tasks = [{"ids": [10 + i, 50]} for i in range(16)]
     source, _ = producer(tokenizer, tasks, k=1, tps=2, version=3, pending=[5, 9], cursor=12)
