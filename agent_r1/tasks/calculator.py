@@ -19,7 +19,7 @@ from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.env.tool_calls import extract_answer, format_tool_call, format_tool_responses
 from agent_r1.env.tool_env import ToolEnv
 from agent_r1.rewards import answer_format, numeric_match
-from agent_r1.tools import calculator, python_tool
+from agent_r1.tools import calculator, check_sandbox, python_tool
 from agent_r1.tools.calculator import evaluate, format_number
 from agent_r1.types import Message
 
@@ -38,8 +38,13 @@ class Options:
     """jsonl of tasks (question, answer) instead of generated problems (used whole, for any split)"""
     tool: str = "calculator"
     """what the model computes with: calculator, or python (a sandboxed interpreter per episode)"""
+    sandbox: str = "bwrap"
+    """the python tool's isolation: bwrap (bubblewrap; an error where it cannot run), or none (resource
+    limits only: the model's code can reach the network and write wherever this user can)"""
 
     def __post_init__(self) -> None:
+        if self.tool == "python":
+            check_sandbox(self.sandbox)
         if not self.ops or any(o not in (1, 2, 3) for o in self.ops):
             raise ValueError(f"task.ops must be operation counts in 1..3, got {self.ops}")
         if self.tool not in ("calculator", "python"):
@@ -126,7 +131,7 @@ def make_env(options: Options, prompt_format: PromptFormat, max_turns: int = 4) 
     """A ToolEnv with the calculator (or a fresh python sandbox), this task's instructions and reward."""
     python = options.tool == "python"
     return ToolEnv(
-        {"python": python_tool()} if python else {"calculator": calculator},
+        {"python": python_tool(isolation=options.sandbox)} if python else {"calculator": calculator},
         prompt_format,
         functools.partial(reward, format_weight=options.format_weight),
         instructions=PYTHON_INSTRUCTIONS if python else INSTRUCTIONS,

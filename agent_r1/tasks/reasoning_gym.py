@@ -21,7 +21,7 @@ from agent_r1.env.tool_calls import extract_answer, format_tool_call, format_too
 from agent_r1.env.tool_env import ToolEnv
 from agent_r1.rewards import answer_format
 from agent_r1.tasks.calculator import calculator_result
-from agent_r1.tools import calculator, python_tool
+from agent_r1.tools import calculator, check_sandbox, python_tool
 from agent_r1.types import Message
 
 KIND_KEY = "dataset"  # eval reports accuracy per generator
@@ -43,8 +43,13 @@ class Options:
     """calculator, python (a sandboxed interpreter per episode) or none"""
     format_weight: float = 0.0
     """weight of the answer-format check added to the reward"""
+    sandbox: str = "bwrap"
+    """the python tool's isolation: bwrap (bubblewrap; an error where it cannot run), or none (resource
+    limits only)"""
 
     def __post_init__(self) -> None:
+        if self.tool == "python":
+            check_sandbox(self.sandbox)
         known = _generators()
         if not self.datasets or (bad := [d for d in self.datasets if d not in known]):
             raise ValueError(f"unknown reasoning-gym dataset(s) {bad or []}: choose from {', '.join(sorted(known))}")
@@ -146,7 +151,8 @@ def reward(task: dict[str, Any], text: str, format_weight: float = 0.0) -> tuple
 
 
 def make_env(options: Options, prompt_format: PromptFormat, max_turns: int = 4) -> ToolEnv:
-    tools = {"calculator": {"calculator": calculator}, "python": {"python": python_tool()}, "none": {}}[options.tool]
+    python = {"python": python_tool(isolation=options.sandbox)} if options.tool == "python" else {}
+    tools = {"calculator": {"calculator": calculator}, "python": python, "none": {}}[options.tool]
     return ToolEnv(
         tools,
         prompt_format,

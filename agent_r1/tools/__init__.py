@@ -8,7 +8,7 @@ from agent_r1.tools.base import Tool, ToolCallResult, ToolResult, execute_tool_c
 from agent_r1.tools.calculator import calculator
 from agent_r1.tools.echo import echo
 from agent_r1.tools.python import python_tool
-from agent_r1.tools.sandbox import PythonSandbox, SandboxLimits
+from agent_r1.tools.sandbox import PythonSandbox, SandboxLimits, check_sandbox
 
 BUILTIN_TOOLS: dict[str, Tool] = {t.name: t for t in (calculator, echo)}
 
@@ -20,6 +20,7 @@ __all__ = [
     "ToolCallResult",
     "ToolResult",
     "calculator",
+    "check_sandbox",
     "echo",
     "execute_tool_call",
     "python_tool",

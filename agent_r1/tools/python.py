@@ -15,19 +15,19 @@ from agent_r1.tools.base import Tool, ToolResult
 from agent_r1.tools.sandbox import CellResult, Isolation, PythonSandbox, SandboxLimits
 
 DESCRIPTION = "Run Python code and return what it prints (stdout and stderr) and the value of its last expression."
-ISOLATED = "No network; write files only in the working directory."  # true only under bubblewrap
 _MAX_ERROR_CHARS = 2000  # the end of a traceback is the informative part
 
 
 def python_tool(
     limits: SandboxLimits | None = None,
     *,
-    isolation: Isolation = "auto",
+    isolation: Isolation = "bwrap",
     persistent: bool = False,
     name: str = "python",
 ) -> Tool:
     """A `python` tool with a fresh sandbox: one per episode, since the scratch directory (and, with
-    `persistent=True`, the variables) belong to one trajectory."""
+    `persistent=True`, the variables) belong to one trajectory. Its description is the same whatever the
+    isolation: the prompt a policy is trained on does not change with the machine it runs on."""
     limits = limits or SandboxLimits()
     sandbox = PythonSandbox(limits, isolation=isolation, persistent=persistent)
     state = "Variables persist between calls." if persistent else "Each call starts a fresh interpreter."
@@ -40,7 +40,7 @@ def python_tool(
 
     return Tool(
         name=name,
-        description=" ".join([DESCRIPTION, *([ISOLATED] if sandbox.isolation == "bwrap" else []), state]),
+        description=f"{DESCRIPTION} {state}",
         parameters={
             "type": "object",
             "properties": {"code": {"type": "string", "description": "the Python code to run"}},

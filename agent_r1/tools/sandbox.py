@@ -9,7 +9,8 @@ enforced, and how (docs/reliability.md has the full table):
   seconds per call (RLIMIT_CPU, moved before each call), address space (RLIMIT_AS), file size, the
   printed output included (RLIMIT_FSIZE), processes (RLIMIT_NPROC), open files, no core dumps. A
   wall-clock deadline per call kills the whole process tree past it.
-- **Isolation with bubblewrap** (`isolation="bwrap"`, the default when `bwrap` works here): new
+- **Isolation with bubblewrap** (`isolation="bwrap"`, the default; where it cannot run, the sandbox
+  refuses to start rather than run model code unisolated, unless `isolation="none"` is chosen): new
   user, PID, network, IPC and UTS namespaces; the host filesystem read-only and this user's home
   hidden (the Python installation, wherever it lives, mounted back read-only); the scratch directory
   the only writable place (mounted at /tmp, also the working directory); a fresh /proc and a minimal
@@ -18,8 +19,8 @@ enforced, and how (docs/reliability.md has the full table):
   (the kernel exempts root from RLIMIT_NPROC).
 - **Not enforced**: a system-call filter (no seccomp profile: the kernel surface is that of an
   unprivileged user namespace); the total size of the scratch directory (each file is limited, their
-  sum is not); with `isolation="none"` (no bwrap) there is no network or filesystem isolation at all,
-  only the limits above, and a warning says so once.
+  sum is not); with `isolation="none"`, chosen explicitly, there is no network or filesystem isolation
+  at all, only the limits above.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-Isolation = Literal["auto", "bwrap", "none"]
+import psutil
+
+Isolation = Literal["bwrap", "none"]
 NOBODY = 65534  # the uid and gid the code sees inside the sandbox
 RUNNER = (Path(__file__).with_name("_sandbox_runner.py")).read_text()
 _REPLY_LIMIT = 16 * 1024 * 1024  # one reply line (JSON of a capped output) is far below this
@@ -101,7 +104,7 @@ class PythonSandbox:
     """
 
     def __init__(
-        self, limits: SandboxLimits | None = None, *, isolation: Isolation = "auto", persistent: bool = False
+        self, limits: SandboxLimits | None = None, *, isolation: Isolation = "bwrap", persistent: bool = False
     ) -> None:
         self.limits = limits or SandboxLimits()
         self.isolation = resolve_isolation(isolation)
@@ -157,6 +160,7 @@ class PythonSandbox:
         if self.scratch is None:
             self.scratch = Path(tempfile.mkdtemp(prefix="agent-r1-python-"))
         config = {**asdict(self.limits), "max_output_bytes": 4 * self.limits.max_output_chars, "paths": _PATHS}
+        config["processes"] = process_limit(self.limits.processes, self.isolation)
         command = [sys.executable, "-I", "-S", "-c", RUNNER, json.dumps(config)]
         self._cgroup = PidsCgroup.create(self.limits.processes)
         self._proc = await asyncio.create_subprocess_exec(
@@ -237,7 +241,7 @@ def _bwrap_prefix(scratch: Path) -> list[str]:
     """bubblewrap's command line: the host read-only, the scratch directory writable at /tmp, no network,
     and this user's home hidden (tokens, keys). The Python installation is mounted back, read-only, on
     top of whatever hides it: a venv under $HOME or under /tmp (a clone in /tmp is common) must stay
-    visible, or the interpreter cannot start and `isolation=auto` would fall back to no isolation."""
+    visible, or the interpreter cannot start and the sandbox would refuse to start."""
     home = os.path.realpath(Path.home())
     return [
         "bwrap",
@@ -326,21 +330,41 @@ def _read(path: str) -> list[str]:
 
 
 def resolve_isolation(isolation: Isolation) -> Literal["bwrap", "none"]:
-    """`auto` is bwrap when it works here, else `none` with a warning; `bwrap` that cannot work is an error."""
-    if isolation not in ("auto", "bwrap", "none"):
-        raise ValueError(f"sandbox isolation must be auto, bwrap or none, got {isolation!r}")
-    if isolation == "none":
-        return "none"
-    problem = bwrap_problem()
-    if problem is None:
-        return "bwrap"
-    if isolation == "bwrap":
-        raise RuntimeError(f"sandbox isolation=bwrap is not available here: {problem}")
-    _warn_once(
-        f"python sandbox without isolation: {problem}. Model code runs with resource limits only: "
-        "it can reach the network and write wherever this user can."
-    )
-    return "none"
+    """`bwrap`, when it works here; else an error that names the remedy. Model code never runs unisolated
+    because a machine happens to lack bubblewrap (a warning on a Ray worker goes unseen): only an explicit
+    `none` runs it with resource limits alone."""
+    if isolation not in ("bwrap", "none"):
+        raise ValueError(f"sandbox isolation must be bwrap or none, got {isolation!r}")
+    if isolation == "bwrap" and (problem := bwrap_problem()) is not None:
+        raise RuntimeError(
+            f"the python sandbox needs bubblewrap, which does not work here: {problem}; install it, or choose "
+            "isolation none (task.sandbox=none) to run model code with resource limits only"
+        )
+    return isolation
+
+
+def check_sandbox(isolation: str) -> None:
+    """A task's `sandbox` option, checked when the config is read: a machine without bubblewrap stops the
+    run at start, in one line, not in every episode after it began."""
+    try:
+        resolve_isolation(isolation)  # type: ignore[arg-type]
+    except RuntimeError as exc:
+        raise ValueError(str(exc).replace("isolation none (task.sandbox=none)", "task.sandbox=none")) from None
+
+
+def process_limit(processes: int, isolation: str) -> int:
+    """RLIMIT_NPROC for the interpreter. It counts every process and thread of the user in the user
+    namespace: under bwrap that is the sandbox's own namespace, but with `isolation="none"` it holds the
+    trainer's threads too (torch's, tokenizers', Ray's), so the model's code would get only what is left of
+    `processes`, or nothing at all. There the trainer's current count is added. Root is exempt (pids cgroup)."""
+    if isolation == "bwrap" or os.geteuid() == 0:
+        return processes
+    uid = os.getuid()
+    own = 0
+    for proc in psutil.process_iter(["uids", "num_threads"]):
+        if proc.info["uids"] is not None and proc.info["uids"].real == uid:
+            own += proc.info["num_threads"] or 1
+    return processes + own
 
 
 @functools.cache

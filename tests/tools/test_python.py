@@ -12,6 +12,7 @@ from agent_r1.env.tool_env import ToolEnv
 from agent_r1.rollout.agent_loop import AgentEnvLoop
 from agent_r1.rollout.engine import SamplingParams
 from agent_r1.tools import execute_tool_call, python_tool
+from agent_r1.tools import sandbox as sandbox_mod
 from agent_r1.tools.python import observation
 from agent_r1.tools.sandbox import CellResult, SandboxLimits, bwrap_problem, process_limit_problem
 from agent_r1.types import Termination
@@ -19,6 +20,7 @@ from tests.rollout.test_agent_loop import ScriptedEngine
 from tests.tools.test_sandbox import sandbox_processes
 
 LIMITS = SandboxLimits(wall_seconds=3, cpu_seconds=1, memory_mb=512)
+ISOLATION = "bwrap" if bwrap_problem() is None else "none"  # the limits hold either way
 ATTACKS = [  # (code, the error kind it must be counted as, what the model must read)
     ("while True:\n    pass", "cpu_limit", "CPU time limit"),
     ("import time\ntime.sleep(30)", "timeout", "3 s limit"),
@@ -40,7 +42,7 @@ def test_an_episode_survives_every_attack_and_counts_each(tokenizer):
     tools = []
 
     def make_env():
-        tools.append(python_tool(LIMITS))
+        tools.append(python_tool(LIMITS, isolation=ISOLATION))
         return ToolEnv(
             {"python": tools[-1]}, ChatFormat(tokenizer), lambda task, text: float("42" in text), max_turns=10
         )
@@ -63,7 +65,7 @@ def test_an_episode_survives_every_attack_and_counts_each(tokenizer):
 
 
 async def test_bad_arguments_are_the_usual_invalid_arguments_error():
-    tool = python_tool(LIMITS)
+    tool = python_tool(LIMITS, isolation=ISOLATION)
     r = await execute_tool_call({"python": tool}, "python", {"source": "1"})
     assert r.error == "invalid_arguments" and "code" in r.output
     r = await execute_tool_call({"python": tool}, "python", '{"code": "print(1 + 1)"}')
@@ -79,7 +81,8 @@ def test_observations_say_what_was_cut_and_what_was_lost():
     assert lost.startswith("Error: timed out") and "variables from earlier calls are gone" in lost
 
 
-def test_the_model_is_told_of_no_network_only_where_that_holds():
-    assert "No network" not in python_tool(LIMITS, isolation="none").description
-    if bwrap_problem() is None:
-        assert "No network" in python_tool(LIMITS, isolation="bwrap").description
+def test_the_tools_description_does_not_change_with_the_machines_isolation(monkeypatch):
+    """A policy trained where bubblewrap runs must see the same prompt where it does not."""
+    bare = python_tool(LIMITS, isolation="none").description
+    monkeypatch.setattr(sandbox_mod, "bwrap_problem", lambda: None)
+    assert python_tool(LIMITS, isolation="bwrap").description == bare

@@ -193,13 +193,38 @@ def _accept(server: socket.socket) -> object:
 def test_limits_and_isolation_are_checked(monkeypatch):
     with pytest.raises(ValueError, match="memory_mb must be positive"):
         SandboxLimits(memory_mb=0)
-    with pytest.raises(ValueError, match="isolation must be auto, bwrap or none"):
-        resolve_isolation("docker")
+    with pytest.raises(ValueError, match="isolation must be bwrap or none"):
+        resolve_isolation("auto")
     monkeypatch.setattr(sandbox_mod, "bwrap_problem", lambda: "bwrap is not installed")
-    with pytest.raises(RuntimeError, match="isolation=bwrap is not available here: bwrap is not installed"):
-        resolve_isolation("bwrap")
-    with pytest.warns(UserWarning, match="without isolation"):
-        assert resolve_isolation("auto") == "none"
+    with pytest.raises(RuntimeError, match="needs bubblewrap, which does not work here: bwrap is not installed"):
+        PythonSandbox()  # the default fails closed: no silent fallback to unisolated model code
+    assert resolve_isolation("none") == "none"
+
+
+def test_a_task_with_the_python_tool_stops_at_start_where_bubblewrap_cannot_run(monkeypatch):
+    from agent_r1.tasks.calculator import Options
+
+    monkeypatch.setattr(sandbox_mod, "bwrap_problem", lambda: "bwrap is not installed")
+    with pytest.raises(ValueError, match=r"not installed; install it, or choose task\.sandbox=none"):
+        Options(tool="python")
+    assert Options(tool="python", sandbox="none").sandbox == "none"
+    assert Options(tool="calculator").tool == "calculator"  # no sandbox, nothing to check
+
+
+def test_without_bwrap_the_process_limit_leaves_the_trainers_own_threads_out(monkeypatch):
+    """RLIMIT_NPROC counts the user's every thread: a trainer with more threads than `processes` would leave
+    the model's code unable to start one. Outside bwrap the limit is the trainer's count plus `processes`."""
+    monkeypatch.setattr(sandbox_mod.os, "geteuid", lambda: 1000)
+    threads = [threading.Thread(target=time.sleep, args=(2,)) for _ in range(40)]
+    for t in threads:
+        t.start()
+    try:
+        limit = sandbox_mod.process_limit(32, "none")
+    finally:
+        for t in threads:
+            t.join()
+    assert limit >= 32 + 41  # this process alone holds 41 threads of the user
+    assert sandbox_mod.process_limit(32, "bwrap") == 32  # a user namespace of its own counts only the sandbox
 
 
 def test_a_machine_that_cannot_cap_processes_is_warned_about(monkeypatch):
