@@ -62,8 +62,20 @@ def _call(fn, *args):
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of a Hugging Face model (`config.num_hidden_layers` of them), found as the
-    longest ModuleList; none for a module without one (a value head)."""
+    """The repeated blocks to shard one by one: the modules whose classes the model's Hugging Face parts name
+    in `_no_split_modules` (the decoder layers and, for a VLM, the vision tower's blocks too: both, since
+    the longest list alone is Qwen2-VL's 32 vision blocks, which left its 28-layer language model whole),
+    the outermost where they nest. A model that names none: its longest ModuleList; a value head: none."""
+    names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
+    blocks: list[torch.nn.Module] = []
+    inside: set[int] = set()
+    for m in model.modules():  # parents before children
+        if id(m) in inside or type(m).__name__ not in names:
+            continue
+        blocks.append(m)
+        inside |= {id(c) for c in m.modules()}
+    if blocks:
+        return blocks
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
     return list(max(lists, key=len)) if lists else []
 

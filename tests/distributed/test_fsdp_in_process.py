@@ -103,3 +103,25 @@ def test_a_separate_critic_is_sharded_in_its_backbones_precision(gloo):
     (mb,) = pack(rows(), 256, min_shared_prefix=100)
     critic(mb, None)  # its forward enters the backbone's autocast: none any more, the policy casts
     assert seen == [(torch.bfloat16, False)]
+
+
+def test_a_vlm_shards_its_language_models_layers_not_only_the_longer_vision_tower(gloo):
+    """Qwen2-VL's vision tower has more blocks (32) than its language model has layers (28): taking the
+    longest ModuleList left the whole language model unsharded on every rank."""
+    import transformers
+    from torch.distributed.fsdp import FSDPModule
+
+    text = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [1, 1, 2]},
+    )  # fmt: skip
+    vision = dict(depth=3, embed_dim=16, hidden_size=32, num_heads=2, patch_size=14, spatial_merge_size=2)
+    model = transformers.Qwen2VLForConditionalGeneration(
+        transformers.Qwen2VLConfig(text_config=text, vision_config=vision)
+    )
+    fsdp.shard(model)
+    layers, blocks = model.model.language_model.layers, model.model.visual.blocks
+    assert len(blocks) > len(layers)
+    assert all(isinstance(m, FSDPModule) for m in [*layers, *blocks])
+    assert not any(isinstance(m, FSDPModule) for m in layers[0].modules() if m is not layers[0])  # outermost only
