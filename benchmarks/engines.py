@@ -19,7 +19,7 @@ which `use_onednn` now sets).
 
 `--isolate` runs each engine in a process of its own instead, one after the other, as each runs in a
 user's process (an engine that ran second in a shared process took 60-75 s for a search rollout the
-same engine took 60-66 s for when it ran first: docs/benchmarks.md).
+same engine took 60-66 s for when it ran first: docs/log/measurements.md).
 
 After the table, a local engine's own clock: seconds in passes that only prefill, only decode, and both
 (chunks of prompts beside decoding rows); the rest of a run is sampling, tools and Python.

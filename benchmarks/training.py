@@ -5,7 +5,7 @@ Compares, on the same 16 SFT rows (system prompt + question + a 2-turn tool-use 
   * the same with shared-prefix micro-batches (the common prompt prefix runs once, exact gradients).
 "Row tokens/s" counts every token of every row, i.e. the work a naive trainer would do; the physical
 ceiling for 135M parameters on this machine is ~290 tokens/s through torch's default matmul
-(docs/benchmarks.md).
+(docs/log/measurements.md).
 
     python benchmarks/training.py [--rows 16]
 """
