@@ -61,7 +61,8 @@ class ChatConfig:
     prompt: str | None = None
     """answer this one message and exit, printing only the final answer (no terminal session)"""
     images: tuple[str, ...] = ()
-    """with prompt: pictures (paths or data URLs, comma-separated) shown with the message, for a vision model"""
+    """with prompt: pictures (paths or data URLs; several as a list, '[a.png,b.png]': a data URL holds a comma)
+    shown with the message, for a vision model"""
     json: bool = False
     """with prompt: print the whole trajectory and history as JSON instead of the answer"""
     system: str = ""
