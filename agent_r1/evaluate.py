@@ -26,6 +26,7 @@ from agent_r1.env.base import Env
 from agent_r1.env.tool_formats import ToolFormatName
 from agent_r1.models.loading import load_model, load_processor
 from agent_r1.models.precision import Device, Precision
+from agent_r1.observe.health import OVERFLOW_REMEDY
 from agent_r1.observe.records import trajectory_from_record, trajectory_records, write_records
 from agent_r1.rollout.agent_loop import AgentEnvLoop, correct, summarize
 from agent_r1.rollout.engine import Engine, SamplingParams
@@ -141,12 +142,27 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str,
         write_records(cfg.out, [records[t.traj_id] for t in trajs])
         kept.unlink(missing_ok=True)
     console.print(report_table(cfg.model, metrics))
+    if note := overflow_note(trajs, engine.max_context):
+        console.print(f"[bold red]warning:[/] {note}")
     if metrics["errors"] > ERROR_WARNING:
         console.print(
             f"[bold red]warning: {metrics['errors']:.0%} of the episodes ended in an error, so the accuracy "
             f"measures the errors, not the model.[/] First error: {next(t.error for t in trajs if t.error)}"
         )
     return metrics, trajs
+
+
+def overflow_note(trajs: Sequence[Trajectory], max_context: int) -> str | None:
+    """How many episodes ended because the prompt outgrew the context window, how many of them before the
+    model's first turn, and the remedy: without it such an eval reads "turns 0.00, accuracy 0.0%"."""
+    cut = [t for t in trajs if t.termination == Termination.CONTEXT_OVERFLOW]
+    if not cut:
+        return None
+    first = sum(not t.steps for t in cut)
+    return (
+        f"{len(cut)} of {len(trajs)} episodes ended in a context overflow ({first} before the model's first turn: "
+        f"the prompt alone outgrew its {max_context:,}-token context). {OVERFLOW_REMEDY}"
+    )
 
 
 def partial_path(out: str | Path) -> Path:

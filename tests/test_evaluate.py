@@ -79,6 +79,44 @@ def test_eval_reports_errors_and_warns_when_they_dominate(tmp_path, tiny_model_d
     assert "warning: 100% of the episodes ended in an error" in out and "the data service is down" in out
 
 
+LONG_TASK = '''"""A task whose first prompt alone is longer than a small model's context (tau2's telecom on SmolLM2)."""
+from dataclasses import dataclass
+
+from agent_r1.types import Observation
+
+
+@dataclass
+class Options:
+    pass
+
+
+def tasks(options, split, n, seed=0):
+    return [{"question": f"q{i}", "answer": i} for i in range(n)]
+
+
+class Long:
+    stop = ()
+
+    async def reset(self, task):
+        return Observation(token_ids=[5] * 100_000)
+
+
+def make_env(options, prompt_format, max_turns=4):
+    return Long()
+'''
+
+
+def test_eval_says_how_many_episodes_overflowed_the_context_and_the_remedy(tmp_path, tiny_model_dir, capsys):
+    from agent_r1.cli import main
+
+    task = tmp_path / "long_task.py"
+    task.write_text(LONG_TASK)
+    assert main(["eval", f"model={tiny_model_dir}", f"task={task}", "num_tasks=3"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "3 of 3 episodes ended in a context overflow (3 before the model's first turn" in out
+    assert "task.context.strategy=truncate|elide|summarize|memory" in out
+
+
 def test_gsm8k_in_its_published_format_evaluates(tmp_path, tiny_model_dir):
     """`task.data=FILE` with answers ending in `#### 72` is read by the task's own loader: no episode errors."""
     import json

@@ -41,6 +41,8 @@ class HealthConfig:
     """share of episodes cut by max_new_tokens or the context window that is too high"""
     errors: float = 0.0
     """share of episodes that ended in an error (env or engine exception) above which to warn"""
+    context_overflow: float = 0.0
+    """share of episodes whose prompt outgrew the model's context window above which to warn"""
 
 
 def _mean(history: list[Metrics], key: str, last: bool, n: int) -> float | None:
@@ -132,6 +134,21 @@ def truncation(history: list[Metrics], cfg: HealthConfig) -> str | None:
     )
 
 
+OVERFLOW_REMEDY = (
+    "Use a model with a longer context, or keep every prompt within a budget: task.context.strategy="
+    "truncate|elide|summarize|memory with task.context.budget=N (docs/context.md)."
+)
+
+
+def context_overflow(history: list[Metrics], cfg: HealthConfig) -> str | None:
+    """Episodes that ended because the next prompt no longer fit the context window score 0 for a reason
+    the policy did not choose (τ²'s telecom prompt alone outgrows SmolLM2's 8k before the first turn)."""
+    share = history[-1].get("termination/context_overflow")
+    if share is None or share <= cfg.context_overflow:
+        return None
+    return f"{share:.0%} of episodes ended in a context overflow: the prompt outgrew the window. {OVERFLOW_REMEDY}"
+
+
 def episode_errors(history: list[Metrics], cfg: HealthConfig) -> str | None:
     """Episodes that ended in an exception (env, tool host or engine): they are left out of the update,
     so a high share means the run trains on a biased few, or on nothing."""
@@ -163,6 +180,7 @@ CHECKS: dict[str, Callable[[list[Metrics], HealthConfig], str | None]] = {
     "logprob_drift": logprob_drift,
     "zero_variance": zero_variance,
     "truncation": truncation,
+    "context_overflow": context_overflow,
     "errors": episode_errors,
     "nonfinite": nonfinite,
 }

@@ -92,3 +92,11 @@ def test_trends_wait_for_a_baseline():
 def test_disabled_monitor_adds_nothing():
     monitor = HealthMonitor(HealthConfig(enabled=False), Console(file=io.StringIO()))
     assert monitor.update(healthy(1) | {"skipped_nonfinite": 3}) == {}
+
+
+def test_episodes_that_overflow_the_context_are_warned_about_with_the_remedy():
+    from agent_r1.observe.health import HealthConfig, context_overflow
+
+    assert context_overflow([{"termination/context_overflow": 0.0}], HealthConfig()) is None
+    message = context_overflow([{"termination/context_overflow": 0.25}], HealthConfig())
+    assert message.startswith("25% of episodes ended in a context overflow") and "task.context.budget" in message
