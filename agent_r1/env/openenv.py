@@ -35,6 +35,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from agent_r1.env.base import StepResult
@@ -69,7 +70,7 @@ class OpenEnvEnv:
 
     def __init__(
         self,
-        url: str,
+        url: str | Callable[[], str],
         prompt_format: PromptFormat,
         *,
         action_field: str | None = None,
@@ -83,7 +84,10 @@ class OpenEnvEnv:
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
-        self.url = url.rstrip("/")
+        # a callable starts (or restarts) a local server: called off the event loop when the episode resets,
+        # since starting one waits seconds, and every other episode of the loop would wait with it
+        self.server = None if isinstance(url, str) else url
+        self.url = url.rstrip("/") if isinstance(url, str) else ""
         self.format = prompt_format
         self.action_field = action_field
         self.observation_field = observation_field
@@ -105,6 +109,8 @@ class OpenEnvEnv:
         self.turn, self.done, self.broken = 0, False, None
         self.shown: list[str] = []  # every observation shown so far (the state GiGPO groups steps by)
         self._lock = asyncio.Lock()  # one env step at a time, even when a turn holds several calls
+        if self.server is not None:
+            self.url = (await asyncio.to_thread(self.server)).rstrip("/")
         first = await self._open(task)
         shown, _ = self._shown(first)  # a malformed first observation is an errored episode
         # the task's question (a data row's) comes first; MCP envs often show nothing at reset

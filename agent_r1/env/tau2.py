@@ -131,6 +131,8 @@ class Tau2Env:
         self.reward: float | None = None
         self.result: dict[str, Any] = {}  # on the last step: reward parts and termination reason
         self._lock = asyncio.Lock()  # one τ² step at a time, even when a turn holds several calls
+        if callable(self.user["api_base"]):  # a local user simulator, started (or restarted) off the event loop
+            self.user = {**self.user, "api_base": (await asyncio.to_thread(self.user["api_base"])).rstrip("/")}
         args = {k: v for k, v in self.user.items() if k != "model"}
         self.gym = tau2().AgentGymEnv(
             task["domain"], task["task_id"], max_steps=self.max_steps, user_llm=self.user["model"], user_llm_args=args

@@ -13,6 +13,7 @@ this file is the whole adapter's task side.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 from dataclasses import dataclass
@@ -88,7 +89,7 @@ def tasks(options: Options, split: Split, n: int, seed: int = 0) -> list[dict[st
 
 def make_env(options: Options, prompt_format: PromptFormat, max_turns: int = 8) -> OpenEnvEnv:
     """One session of the server, started here first if it is given as an app."""
-    url = options.url if options.url is not None else local_server(options.app)
+    url = options.url if options.url is not None else functools.partial(local_server, options.app)
     return OpenEnvEnv(
         url,
         prompt_format,

@@ -14,7 +14,9 @@ published set: airline 50, retail 114, telecom 114). pass^1 is eval's accuracy w
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,12 +68,13 @@ def tasks(options: Options, split: Split, n: int, seed: int = 0) -> list[dict[st
 
 def make_env(options: Options, prompt_format: PromptFormat, max_turns: int = 30) -> Tau2Env:
     """One conversation; the user simulator is started here first when no `user_url` is given."""
-    url, name = options.user_url, options.user_model
-    if url is None:
-        url, name = f"{user_server(options.user_model)}/v1", "user-simulator"
+    url: str | Callable[[], str] | None = options.user_url
+    name = options.user_model
+    if url is None:  # started (or restarted) when the episode resets, off the event loop (Tau2Env.reset)
+        url, name = functools.partial(user_url, options.user_model), "user-simulator"
     user = {
         "model": f"openai/{name}",  # litellm's provider for any OpenAI-compatible server
-        "api_base": url.rstrip("/"),
+        "api_base": url.rstrip("/") if isinstance(url, str) else url,
         "api_key": "none",  # litellm's OpenAI client wants one; agent-r1 serve and vLLM take any
         "temperature": options.user_temperature,
         "max_tokens": options.user_max_tokens,
@@ -86,6 +89,11 @@ def make_env(options: Options, prompt_format: PromptFormat, max_turns: int = 30)
         timeout_s=options.timeout_s,
         max_observation_tokens=options.max_observation_tokens,
     )
+
+
+def user_url(model: str) -> str:
+    """The user simulator's OpenAI base URL (its server started first if it is not running)."""
+    return f"{user_server(model)}/v1"
 
 
 def user_server(model: str) -> str:

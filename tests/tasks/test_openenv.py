@@ -85,6 +85,42 @@ def test_a_local_server_is_started_once_per_process_and_again_after_it_dies():
     assert proc.poll() is not None and not servers._SERVERS
 
 
+def test_a_local_server_starts_off_the_event_loop_so_other_episodes_go_on(monkeypatch, tokenizer):
+    """Restarting a server that died takes seconds: done in `make_env` (on the rollout's event loop), it
+    stalled every other episode of the loop for that long."""
+    import asyncio
+    import time
+
+    from agent_r1.env.prompt_format import ChatFormat
+
+    def slow_start(app):
+        time.sleep(0.5)
+        return "http://127.0.0.1:1"  # nothing listens: reset then fails, as a server that did not come up
+
+    monkeypatch.setattr(oe, "local_server", slow_start)
+
+    async def episode_beside_a_ticker():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        beside = asyncio.create_task(ticker())
+        start = time.monotonic()
+        env = oe.make_env(options(app=GUESS), ChatFormat(tokenizer))
+        made = time.monotonic() - start
+        with pytest.raises(openenv_env.EnvServerError, match=r"127\.0\.0\.1:1"):
+            await env.reset({"seed": 1})
+        beside.cancel()
+        return made, ticks
+
+    made, ticks = asyncio.run(episode_beside_a_ticker())
+    assert made < 0.1 and ticks >= 20  # the loop ran on while the server started
+
+
 def test_eval_runs_an_openenv_server_from_one_command_line(tiny_model_dir, tokenizer):
     """`agent-r1 eval task=openenv task.app=...`: the server starts, every episode is a session, none
     errors (the random tiny model rarely calls the tool; a turn without a call ends its episode)."""

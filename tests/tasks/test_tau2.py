@@ -96,7 +96,7 @@ def test_the_default_user_simulator_is_an_agent_r1_serve_started_here(tiny_model
         )
         (t,) = loop.run_sync(t2.tasks(o, "test", 1))
         (proc, url) = next(v for k, v in servers._SERVERS.items() if k.startswith("user simulator"))
-        assert proc.poll() is None and t2.make_env(o, ChatFormat(tokenizer)).user["api_base"] == f"{url}/v1"
+        assert proc.poll() is None and t2.make_env(o, ChatFormat(tokenizer)).user["api_base"]() == f"{url}/v1"
     finally:
         servers.stop_local_servers()
     assert t.error is None and t.termination == Termination.MAX_TURNS
