@@ -10,10 +10,11 @@ and prints only the final answer, or with `--json` the whole trajectory (exact i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -21,17 +22,17 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
+from agent_r1.engines import EngineKind, EngineSpec, VLLMConfig, load_for_engine, make_engine
+from agent_r1.engines.protocol import Engine, GenerateOutput, SamplingParams
 from agent_r1.env.base import StepResult
 from agent_r1.env.prompt_format import PromptFormat, prompt_format_for
 from agent_r1.env.tool_calls import CALL_OPEN, extract_answer
 from agent_r1.env.tool_env import ToolEnv
 from agent_r1.env.tool_formats import ToolFormatName
-from agent_r1.models.loading import EXPORT_INFO, load_model, load_processor
+from agent_r1.models.loading import EXPORT_INFO, eos_token_ids, load_processor
 from agent_r1.models.precision import Device, Precision
 from agent_r1.models.vision import read_image
 from agent_r1.rollout.agent_loop import AgentEnvLoop
-from agent_r1.rollout.engine import Engine, GenerateOutput, SamplingParams
-from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.text_stream import TextStream, visible_prefix
 from agent_r1.task import TaskSpec, resolve_chat, resolve_tool_format
 from agent_r1.tools import BUILTIN_TOOLS, Tool
@@ -53,6 +54,13 @@ class ChatConfig:
     """where the model runs: auto = cuda when a GPU is visible, else cpu"""
     dtype: Precision = "fp32"
     """weights and compute in fp32, or in bf16 (a GPU choice: half the memory)"""
+    engine: EngineKind = "local"
+    """what samples: local (the model in this process), vllm (vLLM in this process), or remote (an
+    OpenAI-compatible server that speaks token ids at url; model then names the tokenizer, the server's)"""
+    url: str = ""
+    """engine=remote: the server's base URL (http://host:port)"""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """engine=vllm: vLLM's own settings"""
     task: str | None = None
     """the task whose tools, instructions and worked example the model sees (calculator, hotpotqa, an import
     path); None = the task recorded in the model's agent_r1.json (what it was trained on), if any"""
@@ -94,10 +102,14 @@ class ChatConfig:
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
         _ = self.sampling  # validates temperature, top_p and max_new_tokens before the model loads
+        self.engine_spec()  # an unknown engine, or remote without url: one line now
 
     @property
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
+
+    def engine_spec(self) -> EngineSpec:
+        return EngineSpec(self.engine, self.url, seed=self.seed, dtype=self.dtype, vllm=self.vllm)
 
 
 StepCallback = Callable[[Action, StepResult], None]
@@ -185,6 +197,9 @@ class _StreamingEngine:
     async def generate(self, prompts: list[list[int]], params: SamplingParams, **kw) -> list[GenerateOutput]:
         return await self.engine.generate(prompts, params, lambda _, token, __: self.on_token(token), **kw)  # type: ignore[call-arg]
 
+    def cohort(self, size: int) -> contextlib.AbstractContextManager[Any]:
+        return self.engine.cohort(size)
+
 
 class _WatchedEnv:
     """A `ToolEnv` that reports each step, so the terminal shows tool calls and results as they happen."""
@@ -241,37 +256,41 @@ def _chat_task(cfg: ChatConfig) -> TaskSpec | None:
 
 def run_chat(cfg: ChatConfig, console: Console | None = None) -> None:
     console = console or Console(highlight=False)
-    model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    model, tokenizer = load_for_engine(cfg.engine, cfg.model, cfg.device, cfg.dtype)
     processor = load_processor(cfg.model) or tokenizer  # a vision-language model reads images through it
     chat = resolve_chat(cfg.prompt_format, processor, cfg.model)
     prompt = session_prompt(cfg, processor, chat)
-    engine = LocalEngine(model, tokenizer, seed=cfg.seed)
+    engine = make_engine(cfg.engine_spec(), model, tokenizer)
     session = ChatSession(
         engine, prompt_format_for(processor, chat, resolve_tool_format(cfg.tool_format, cfg.model)), prompt.tools,
         cfg.sampling,
         instructions=prompt.instructions, examples=prompt.examples, max_tool_tokens=prompt.max_tool_tokens,
         max_turns=cfg.max_turns, seed=cfg.seed,
     )  # fmt: skip
-    if cfg.prompt is not None:
+    try:
+        if cfg.prompt is None:
+            _Terminal(session, console, cfg.model, tokenizer, eos_token_ids(model, tokenizer)).run()
+            return
         traj = asyncio.run(session.send(cfg.prompt, images=cfg.images))
         if cfg.json:
             print(json.dumps({"history": session.history, "trajectory": dataclasses.asdict(traj)}, default=str))
         else:
             print(session.final_answer(traj))
-        return
-    _Terminal(session, console, cfg.model).run()
+    finally:
+        engine.close()  # vLLM's workers and a remote engine's connections end with the chat
 
 
 class _Terminal:
     """The interactive session: read a line, stream the agent's turns, repeat."""
 
-    def __init__(self, session: ChatSession, console: Console, model_name: str) -> None:
+    def __init__(
+        self, session: ChatSession, console: Console, model_name: str, tokenizer: Any, eos_ids: set[int]
+    ) -> None:
         self.session = session
         self.console = console
         self.model_name = model_name
-        engine = session.engine
-        self.eos_ids = getattr(engine, "eos_ids", ())
-        self.tokenizer = engine.tokenizer  # type: ignore[attr-defined]
+        self.eos_ids = eos_ids  # sampled, never shown
+        self.tokenizer = tokenizer
         self.text = self._new_stream()
         self.images: list[str] = []  # attached with /image, shown with the next message
 

@@ -58,7 +58,7 @@ COMMANDS = {
 }  # fmt: skip
 # errors that stop a run with its checkpoints whole (the remote engine went away, no episode can run):
 # (module, class), looked up only in a process that imported the module, the only one that can raise them
-STOPS = (("agent_r1.rollout.remote_engine", "RemoteEngineError"), ("agent_r1.rollout.producer", "RolloutStalled"))
+STOPS = (("agent_r1.engines.remote_engine", "RemoteEngineError"), ("agent_r1.rollout.producer", "RolloutStalled"))
 # a bare argument that is not a .yaml file sets this key
 POSITIONAL = {"export": "checkpoint", "view": "run_dir", "plot": "run_dir"}
 

@@ -15,22 +15,21 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import torch
 from rich.console import Console
 from rich.table import Table
 from scipy import stats
 
 from agent_r1.config import to_dict
 from agent_r1.data import Split
+from agent_r1.engines import EngineKind, EngineSpec, VLLMConfig, load_for_engine, make_engine
+from agent_r1.engines.protocol import Engine, SamplingParams
 from agent_r1.env.base import Env
 from agent_r1.env.tool_formats import ToolFormatName
-from agent_r1.models.loading import load_model, load_processor
+from agent_r1.models.loading import load_processor
 from agent_r1.models.precision import Device, Precision
 from agent_r1.observe.health import OVERFLOW_REMEDY
 from agent_r1.observe.records import trajectory_from_record, trajectory_records, write_records
 from agent_r1.rollout.agent_loop import AgentEnvLoop, correct, summarize
-from agent_r1.rollout.engine import Engine, SamplingParams
-from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.task import TaskSpec, resolve_chat, resolve_tool_format
 from agent_r1.types import Termination, Trajectory
 from agent_r1.utils.progress import progress_bar
@@ -67,6 +66,14 @@ class EvalConfig:
     """nucleus sampling mass"""
     max_new_tokens: int = 96
     """sampled tokens per turn"""
+    engine: EngineKind = "local"
+    """what samples: local (the model in this process), vllm (vLLM in this process), or remote (an
+    OpenAI-compatible server that speaks token ids at url: agent-r1 serve, vllm serve; model then names
+    the tokenizer, which must be the server's model's)"""
+    url: str = ""
+    """engine=remote: the server's base URL (http://host:port)"""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """engine=vllm: vLLM's own settings"""
     max_batch_size: int = 64
     """rows decoded together by the engine"""
     kv_cache_gb: float = 4.0
@@ -90,11 +97,18 @@ class EvalConfig:
             raise ValueError("num_tasks and group_size must be >= 1")
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        self.engine_spec()  # an unknown engine, or remote without url: one line now
         _ = self.sampling  # validates temperature, top_p and max_new_tokens before any model loads
 
     @property
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
+
+    def engine_spec(self) -> EngineSpec:
+        return EngineSpec(
+            self.engine, self.url, self.max_batch_size, self.kv_cache_gb, seed=self.seed, dtype=self.dtype,
+            kv_cache_bf16=self.kv_cache_dtype == "bf16", vllm=self.vllm,
+        )  # fmt: skip
 
 
 def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str, float], list[Trajectory]]:
@@ -107,7 +121,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str,
     settings = eval_settings(cfg)
     kept = partial_path(cfg.out) if cfg.out else None
     finished = finished_episodes(kept, tasks, settings, cfg.resume, console) if kept else {}
-    model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    model, tokenizer = load_for_engine(cfg.engine, cfg.model, cfg.device, cfg.dtype)
     processor = load_processor(cfg.model) or tokenizer  # a vision-language model reads images through it
     make_env = cfg.task.env_factory(
         processor,
@@ -116,10 +130,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str,
         resolve_tool_format(cfg.tool_format, cfg.model),
     )
     make_env.check_context(tasks[0])
-    engine = LocalEngine(
-        model, tokenizer, max_batch_size=cfg.max_batch_size, seed=cfg.seed, kv_cache_gb=cfg.kv_cache_gb,
-        kv_cache_dtype=torch.bfloat16 if cfg.kv_cache_dtype == "bf16" else None,
-    )  # fmt: skip
+    engine = make_engine(cfg.engine_spec(), model, tokenizer)
     records = {r["traj_id"]: r for group in finished.values() for r in group}  # traj_id -> its record
     if kept is not None:  # the partial file starts with the finished groups alone
         write_records(kept, list(records.values()))
@@ -135,9 +146,12 @@ def run_eval(cfg: EvalConfig, console: Console | None = None) -> tuple[dict[str,
                 f.flush()
 
         done_trajs = {i: [trajectory_from_record(r) for r in group] for i, group in finished.items()}
-        metrics, trajs = evaluate(
-            engine, make_env, tasks, cfg.sampling, cfg.group_size, cfg.seed, cfg.task.kind_key, done, done_trajs
-        )
+        try:
+            metrics, trajs = evaluate(
+                engine, make_env, tasks, cfg.sampling, cfg.group_size, cfg.seed, cfg.task.kind_key, done, done_trajs
+            )
+        finally:
+            engine.close()  # vLLM's workers and a remote engine's connections end with the eval
     if cfg.out:  # the viewer reads these: agent-r1 view OUT
         write_records(cfg.out, [records[t.traj_id] for t in trajs])
         kept.unlink(missing_ok=True)
@@ -173,10 +187,10 @@ def partial_path(out: str | Path) -> Path:
     return out.with_name(re.sub(r"\.jsonl(\.gz)?$", "", out.name) + ".partial.jsonl")
 
 
-RESUME_KEYS = ("model", "dtype", "task", "split", "num_tasks", "group_size", "max_turns", "prompt_format",
+RESUME_KEYS = ("model", "engine", "dtype", "task", "split", "num_tasks", "group_size", "max_turns", "prompt_format",
                "tool_format", "temperature", "top_p", "max_new_tokens", "kv_cache_dtype", "seed")  # fmt: skip
 """The settings that decide which episodes an eval samples: a resumed eval must share them."""
-ADDED_SETTINGS = {"kv_cache_dtype": "auto"}
+ADDED_SETTINGS = {"kv_cache_dtype": "auto", "engine": "local"}
 """Resume keys added since evals first kept settings, with the value every earlier eval ran with."""
 
 

@@ -72,9 +72,9 @@ class FastToolEnv(SlowToolEnv):
 
 def policy_reward(model, tokenizer, samples: int = 8) -> float:
     """The mean reward of `model`'s own episodes (temperature 1, fixed seeds) on every task."""
+    from agent_r1.engines.cpu.local_engine import LocalEngine
+    from agent_r1.engines.protocol import SamplingParams
     from agent_r1.rollout.agent_loop import AgentEnvLoop
-    from agent_r1.rollout.engine import SamplingParams
-    from agent_r1.rollout.local_engine import LocalEngine
 
     loop = AgentEnvLoop(LocalEngine(model, tokenizer), FastToolEnv, SamplingParams(max_new_tokens=6), seed=12345)
     trajs = loop.run_sync(TASKS, samples)

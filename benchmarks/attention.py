@@ -1,4 +1,4 @@
-"""Decode attention on the CPU: PyTorch's SDPA against agent-r1's kernel (`rollout/decode_attention.cpp`).
+"""Decode attention on the CPU: PyTorch's SDPA against agent-r1's kernel (`engines/cpu/decode_attention.cpp`).
 
 One layer of SmolLM2-135M's decode attention (3 kv heads of 3 query heads each, head_dim 64) for `--rows`
 rows over the same number of columns each, read from a slot buffer as the engine holds it
@@ -38,7 +38,7 @@ from itertools import cycle
 import torch
 import torch.nn.functional as F
 
-from agent_r1.rollout import decode_attention
+from agent_r1.engines.cpu import decode_attention
 
 LAYERS_BYTES = 512 * 2**20  # the layers' keys and values a width's calls cycle through: more than any L3 cache
 
@@ -153,8 +153,8 @@ def chunks(pairs: str, kernel, portable) -> None:
 def layer(rows: int, width: int, repeats: int) -> None:
     """SmolLM2's first attention layer at a decode step of `rows` rows, each at column width - 1 of its own
     slot: transformers' forward (over `slot_attention`) against `FusedSlotAttention`'s, alternated."""
+    from agent_r1.engines.cpu import kv_cache
     from agent_r1.models.loading import load_model
-    from agent_r1.rollout import kv_cache
 
     torch.set_grad_enabled(False)
     model, _ = load_model("default")

@@ -19,7 +19,7 @@ over the context (4 x layers x hidden x context: scores and the weighted sum).
 `--kv-cache-dtypes float32,bfloat16` runs the current engine once with each KV storage
 (`LocalEngine(kv_cache_dtype=...)`; serve's `kv_cache_dtype=bf16`), `--repeats N` every engine N times,
 interleaved. `--portable-kernel` also runs each on the decode kernel's portable loops, what a CPU without
-AVX-512 or AVX2 runs (`rollout/decode_attention.cpp`).
+AVX-512 or AVX2 runs (`engines/cpu/decode_attention.cpp`).
 
 `--spread S` draws each prompt's length uniformly from prompt-tokens +- S (rows of unlike lengths, as a
 rollout's turns are).
@@ -35,12 +35,12 @@ import time
 import torch
 from engines import previous_engine_class
 
+from agent_r1.engines.cpu import kv_cache
+from agent_r1.engines.cpu.decode_attention import kernel_for
+from agent_r1.engines.cpu.local_engine import LocalEngine
+from agent_r1.engines.protocol import SamplingParams
 from agent_r1.models.loading import load_model
 from agent_r1.models.onednn import _linear
-from agent_r1.rollout import kv_cache
-from agent_r1.rollout.decode_attention import kernel_for
-from agent_r1.rollout.engine import SamplingParams
-from agent_r1.rollout.local_engine import LocalEngine
 
 
 def matmul_gflops(rows: int, d_in: int, d_out: int, repeats: int = 20) -> float:

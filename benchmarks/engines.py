@@ -47,12 +47,12 @@ from pathlib import Path
 
 import torch
 
+from agent_r1.engines.cpu.local_engine import LocalEngine
+from agent_r1.engines.protocol import SamplingParams
 from agent_r1.env.prompt_format import prompt_format_for
 from agent_r1.env.tool_calls import format_tool_responses
 from agent_r1.env.tool_env import truncate_to_tokens
 from agent_r1.models.loading import is_chat_model, load_model, resolve_model_path
-from agent_r1.rollout.engine import SamplingParams
-from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.tasks import calculator, hotpotqa
 from agent_r1.utils.malloc import engine_heap, fix_mmap_threshold
 
@@ -69,7 +69,7 @@ def previous_engine_class(rev: str) -> type:
         source = subprocess.run(
             ["git", "show", f"{rev}:agent_r1/rollout/{name}.py"], cwd=ROOT, check=True, capture_output=True, text=True
         ).stdout
-        source = source.replace("from agent_r1.rollout.kv_cache import", "from agent_r1_previous.kv_cache import")
+        source = source.replace("from agent_r1.engines.cpu.kv_cache import", "from agent_r1_previous.kv_cache import")
         # its slot attention under a name of its own: under the same name, the one imported last served both
         source = source.replace('"agent_r1_slots"', '"agent_r1_slots_previous"')
         spec = importlib.util.spec_from_loader(f"agent_r1_previous.{name}", loader=None)
@@ -150,7 +150,7 @@ def start_engine(name: str, model, tokenizer, args: argparse.Namespace):
     if name == "local":
         return LocalEngine(model, tokenizer, max_batch_size=args.tasks, seed=0)
     if name == "vllm":
-        from agent_r1.rollout.vllm_engine import VLLMEngine
+        from agent_r1.engines.vllm_engine import VLLMEngine
 
         start = time.perf_counter()
         engine = VLLMEngine(resolve_model_path(args.model), seed=0, max_num_seqs=args.tasks)
@@ -236,7 +236,7 @@ def measure(args: argparse.Namespace) -> list:
             rate = r["sampled"] / r["seconds"]
             print(f"  {kind:10} {name:9} {r['seconds']:7.1f} s  {rate:6.1f} sampled tok/s", flush=True)
         if name == "vllm":
-            engine.shutdown()
+            engine.close()
         del engine
     return rows
 

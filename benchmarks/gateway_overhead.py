@@ -37,12 +37,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench/gateway_overhead.json"))
     args = parser.parse_args()
 
+    from agent_r1.engines.cpu.local_engine import LocalEngine
+    from agent_r1.engines.protocol import SamplingParams
     from agent_r1.env.prompt_format import prompt_format_for
     from agent_r1.gateway import ProgramEnvFactory
     from agent_r1.models.loading import load_model
     from agent_r1.rollout.agent_loop import AgentEnvLoop, correct, summarize
-    from agent_r1.rollout.engine import SamplingParams
-    from agent_r1.rollout.local_engine import LocalEngine
     from agent_r1.tasks import calculator
     from examples import calculator_agent
 

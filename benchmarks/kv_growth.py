@@ -19,9 +19,9 @@ import resource
 import torch
 
 import agent_r1
+from agent_r1.engines.cpu.local_engine import LocalEngine
+from agent_r1.engines.protocol import SamplingParams
 from agent_r1.models.loading import load_model
-from agent_r1.rollout.engine import SamplingParams
-from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.utils.malloc import _rss
 
 

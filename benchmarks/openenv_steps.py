@@ -15,17 +15,18 @@ import time
 
 from transformers import AutoTokenizer
 
+from agent_r1.engines.protocol import GenerateOutput, SamplingParams, no_cohort
 from agent_r1.env.openenv import OpenEnvEnv, local_server, stop_local_servers
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.models import resolve_model_path
 from agent_r1.rollout.agent_loop import AgentEnvLoop
-from agent_r1.rollout.engine import GenerateOutput, SamplingParams
 
 
 class BinarySearch:
     """Guesses the middle of what the game's hints (read back from the prompt) leave."""
 
     max_context = 8192
+    cohort = staticmethod(no_cohort)
 
     def __init__(self, tokenizer) -> None:
         self.tok = tokenizer

@@ -23,10 +23,10 @@ import statistics
 
 import torch
 
+from agent_r1.engines.cpu import local_engine
+from agent_r1.engines.cpu.local_engine import LocalEngine
+from agent_r1.engines.protocol import SamplingParams
 from agent_r1.models.loading import load_model
-from agent_r1.rollout import local_engine
-from agent_r1.rollout.engine import SamplingParams
-from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.utils.openmp import release_openmp_workers
 
 

@@ -21,11 +21,11 @@ import time
 
 import torch
 
+from agent_r1.engines.cpu.local_engine import LocalEngine
+from agent_r1.engines.protocol import SamplingParams
 from agent_r1.env.prompt_format import prompt_format_for
 from agent_r1.models.loading import is_chat_model, load_model
 from agent_r1.rollout.agent_loop import AgentEnvLoop, summarize
-from agent_r1.rollout.engine import SamplingParams
-from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.tasks import calculator
 
 
@@ -111,8 +111,8 @@ def main() -> None:
     print(f"{args.tasks} calculator tasks, batch {args.tasks}, ≤{args.max_new_tokens} new tokens/turn, T=1")
     benches = {"hf": ("hf_generate", bench_hf_generate), "local": ("agent_loop", bench_agent_loop)}
     if "vllm" in args.engines.split(","):
+        from agent_r1.engines.vllm_engine import VLLMEngine
         from agent_r1.models.loading import resolve_model_path
-        from agent_r1.rollout.vllm_engine import VLLMEngine
 
         start = time.perf_counter()
         vllm = VLLMEngine(resolve_model_path(args.model), seed=0, max_num_seqs=args.tasks)

@@ -11,10 +11,10 @@ import torch
 from hypothesis import settings
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from agent_r1.engines.cpu.decode_attention import kernel_for
+from agent_r1.engines.cpu.local_engine import LocalEngine
 from agent_r1.models import resolve_model_path
 from agent_r1.models.onednn import use_onednn
-from agent_r1.rollout.decode_attention import kernel_for
-from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.utils.malloc import freeze_imported
 
 # Property-based (fuzz) tests, the `*_fuzz.py` files. By default they run a fixed, derandomized set of
@@ -50,7 +50,7 @@ def pytest_collection_finish(session) -> None:
 def decode_attention_kernel() -> None:
     """Build the CPU decode-attention kernel before any test decodes: ~30 s once per machine, a fraction of
     a second to load after. A build inside a test, or inside a server a test started, would count against
-    that test's timeouts. (tests/rollout/test_decode_attention.py checks that it builds.)"""
+    that test's timeouts. (tests/engines/cpu/test_decode_attention.py checks that it builds.)"""
     kernel_for(torch.float32, torch.device("cpu"))
 
 
@@ -321,7 +321,7 @@ def tiny_vlm(tokenizer, tmp_path_factory):
 
 def record_kernel_segments(monkeypatch) -> list[bool]:
     """For each `Segment` the engine builds from now on, whether it is the CPU kernel's (built with slot_of)."""
-    from agent_r1.rollout import local_engine
+    from agent_r1.engines.cpu import local_engine
 
     kinds, segment = [], local_engine.Segment
 

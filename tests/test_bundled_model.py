@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from agent_r1.engines.cpu.local_engine import LocalEngine
+from agent_r1.engines.protocol import SamplingParams
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.models import load_model
 from agent_r1.rollout.agent_loop import AgentEnvLoop, summarize
-from agent_r1.rollout.engine import SamplingParams
-from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.merge import merge_trajectories
 from agent_r1.tasks import calculator
 from agent_r1.types import Termination

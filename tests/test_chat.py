@@ -59,9 +59,9 @@ def test_history_is_kept_between_messages(tool_model_dir, tokenizer):
     from transformers import AutoModelForCausalLM
 
     from agent_r1.chat import ChatSession
+    from agent_r1.engines.cpu.local_engine import LocalEngine
+    from agent_r1.engines.protocol import SamplingParams
     from agent_r1.env.prompt_format import ChatFormat
-    from agent_r1.rollout.engine import SamplingParams
-    from agent_r1.rollout.local_engine import LocalEngine
     from agent_r1.tools import calculator
 
     model = AutoModelForCausalLM.from_pretrained(tool_model_dir).eval()
@@ -83,9 +83,9 @@ def test_a_picture_goes_with_the_message_and_stays_in_the_history(tiny_llava, tm
     from PIL import Image
 
     from agent_r1.chat import ChatSession
+    from agent_r1.engines.cpu.local_engine import LocalEngine
+    from agent_r1.engines.protocol import SamplingParams
     from agent_r1.env.prompt_format import prompt_format_for
-    from agent_r1.rollout.engine import SamplingParams
-    from agent_r1.rollout.local_engine import LocalEngine
     from tests.conftest import picture
 
     model, processor = tiny_llava

@@ -323,15 +323,16 @@ def test_kv_cache_dtype_reaches_the_engine_and_the_settings_a_resume_checks(valu
 
     from agent_r1 import evaluate
     from agent_r1.config import load_config
+    from agent_r1.engines.cpu import local_engine
 
     engines = []
 
-    class Recorded(evaluate.LocalEngine):
+    class Recorded(local_engine.LocalEngine):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             engines.append(self)
 
-    monkeypatch.setattr(evaluate, "LocalEngine", Recorded)
+    monkeypatch.setattr(local_engine, "LocalEngine", Recorded)  # what make_engine builds
     args = [f"model={tiny_model_dir}", "num_tasks=2", "max_new_tokens=4", "max_turns=1", f"kv_cache_dtype={value}"]
     cfg = load_config(evaluate.EvalConfig, None, args)
     metrics, _ = evaluate.run_eval(cfg)

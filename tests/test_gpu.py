@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
+from agent_r1.engines.cpu.local_engine import LocalEngine
+from agent_r1.engines.protocol import SamplingParams
 from agent_r1.models.loading import load_model
-from agent_r1.rollout.engine import SamplingParams
-from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.trainer.rl import train
 from tests.conftest import recompute_logprobs
 from tests.trainer.conftest import TASKS, LowIdEnv, tiny_model, toy_config
@@ -67,8 +67,8 @@ def test_vllm_on_cuda_sleeps_wakes_with_new_weights_and_samples_from_them():
     """vLLM with CUDA graphs and sleep mode: sample, sleep (weights to host RAM, KV cache dropped), push
     changed weights (wakes the weights, reloads, wakes the KV cache), sample again from the new ones."""
     pytest.importorskip("vllm")
+    from agent_r1.engines.vllm_engine import VLLMEngine
     from agent_r1.models.loading import resolve_model_path
-    from agent_r1.rollout.vllm_engine import VLLMEngine
 
     model, tokenizer = load_model("default", device="cuda", training=True)
     engine = VLLMEngine(
@@ -93,7 +93,7 @@ def test_vllm_on_cuda_sleeps_wakes_with_new_weights_and_samples_from_them():
         print(json.dumps({"vllm_bf16_drift_mean": float(drift.mean()), "vllm_bf16_drift_max": float(drift.max())}))
         assert float(drift.mean()) < 0.05  # the new weights sampled (the old ones would be off by nats)
     finally:
-        engine.shutdown()
+        engine.close()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")

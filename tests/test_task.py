@@ -111,9 +111,9 @@ def test_the_mcp_example_offers_a_real_servers_tools_and_evaluates_through_the_c
     python sandbox, from the command line; an episode that uses them earns the reward."""
     import sys
 
+    from agent_r1.engines.protocol import SamplingParams
     from agent_r1.env.prompt_format import ChatFormat
     from agent_r1.rollout.agent_loop import AgentEnvLoop
-    from agent_r1.rollout.engine import SamplingParams
     from tests.rollout.test_agent_loop import ScriptedEngine
 
     data = tmp_path / "qa.jsonl"

@@ -44,8 +44,9 @@ from urllib.parse import urlparse
 import torch
 
 from agent_r1.distributed.group import contiguous_shards
+from agent_r1.engines import EngineSpec, make_engine
+from agent_r1.engines.protocol import SamplingParams, full_state_dict
 from agent_r1.rollout.agent_loop import AgentEnvLoop, trajectory_metrics
-from agent_r1.rollout.engine import SamplingParams, full_state_dict
 from agent_r1.types import Termination, Trajectory
 
 
@@ -94,22 +95,13 @@ class RolloutWorker:
     event loop, so a lockstep shard, asynchronous RL's groups and a weight load can overlap (a lockstep
     weight load waits for the running sequences, `between_tokens` does not)."""
 
-    def __init__(
-        self, model: str | torch.nn.Module, tokenizer: Any, make_env: Any, engine: str, options: dict[str, Any]
-    ) -> None:
-        from agent_r1.rollout.local_engine import LocalEngine
-
+    def __init__(self, model: str | torch.nn.Module, tokenizer: Any, make_env: Any, spec: EngineSpec) -> None:
         self.make_env = make_env
-        if engine == "vllm":
-            from agent_r1.rollout.vllm_engine import VLLMEngine
-
-            self.engine = VLLMEngine(model, **options)
-            return
-        if isinstance(model, str):
+        if spec.kind == "local" and isinstance(model, str):
             from agent_r1.models.loading import load_model
 
-            model, tokenizer = load_model(model, device="auto", dtype=options["dtype"])
-        self.engine = LocalEngine(model.eval(), tokenizer, **{k: v for k, v in options.items() if k != "dtype"})
+            model, tokenizer = load_model(model, device="auto", dtype=spec.dtype)
+        self.engine = make_engine(spec, model.eval() if spec.kind == "local" else model, tokenizer)
 
     async def load_weights(self, state: dict[str, torch.Tensor], version: int, between_tokens: bool = False) -> int:
         # in a thread: the engine's decode thread delivers tokens to this event loop while the load waits for it
@@ -150,6 +142,7 @@ class RayRollout:
         """`model` is a name or directory every worker loads (vLLM needs a directory), or a plain model
         object, shipped to the workers through the object store."""
         self.ray = connect_ray(cluster.address)
+        self.engine = None  # the engines are the workers' (GroupRunner.engine)
         self.retries = cluster.retries
         self.sampling = rollout.sampling()
         self.seed = seed
@@ -162,16 +155,13 @@ class RayRollout:
         self._retrieval = None
         if cluster.retrieval_actor:
             make_env = self._with_retrieval_actor(make_env)
-        if rollout.engine == "vllm":
-            options = rollout.vllm_options(dtype, seed)
-        else:
-            options = rollout.local_options(seed) | {"dtype": dtype}  # dtype: for a worker that loads the model
+        spec = rollout.engine_spec(seed, dtype)  # dtype: vLLM's, and a local worker's that loads the model
         actor = self.ray.remote(num_cpus=cluster.worker_cpus, num_gpus=cluster.worker_gpus, max_restarts=-1)(
             RolloutWorker
         )
         # the arguments go into the object store once (not once per actor), and this object keeps them
         # there: Ray restarts a dead worker from them (ray-project/ray#53727)
-        self._args = [self.ray.put(x) for x in (model, tokenizer, make_env, rollout.engine, options)]
+        self._args = [self.ray.put(x) for x in (model, tokenizer, make_env, spec)]
         self.actors = [actor.remote(*self._args) for _ in range(cluster.rollout_workers)]
         self._load = [0] * len(self.actors)
 
@@ -286,6 +276,10 @@ class RayRollout:
 
     def worker_pids(self) -> list[int]:
         return self.ray.get([a.pid.remote() for a in self.actors])
+
+    def close(self) -> None:
+        """The producer stopped: a worker's groups were cancelled with it; the workers stay for validation's
+        and the next run's weights until `shutdown`."""
 
     def shutdown(self) -> None:
         for a in self.actors + ([self._retrieval] if self._retrieval else []):

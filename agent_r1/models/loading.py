@@ -19,6 +19,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -28,6 +29,7 @@ from transformers import (
     AutoModelForImageTextToText,
     AutoProcessor,
     AutoTokenizer,
+    GenerationConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -225,6 +227,27 @@ def load_model(
     model = auto.from_pretrained(path, dtype=TORCH_DTYPES[weights])
     model.eval()
     return place_model(model, target, dtype), tokenizer
+
+
+def eos_token_ids(model: Any, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """EOS ids from the tokenizer and the model's generation config (chat models often list several there):
+    `model` is a loaded model, or the directory an engine (vLLM, a server) loads it from."""
+    if isinstance(model, str | Path):
+        try:
+            gen = GenerationConfig.from_pretrained(model)
+        except OSError:  # a directory without generation_config.json: the tokenizer's alone
+            gen = None
+    else:
+        gen = model.generation_config
+    ids: set[int] = set()
+    for value in (tokenizer.eos_token_id, getattr(gen, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    if not ids:
+        raise ValueError("the tokenizer and the model define no EOS token")
+    return ids
 
 
 def place_model(model: torch.nn.Module, device: str | torch.device, dtype: str) -> torch.nn.Module:

@@ -19,9 +19,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from agent_r1.engines.protocol import Engine, SamplingParams
 from agent_r1.env.base import Env
 from agent_r1.env.prompt_format import PromptFormat
-from agent_r1.rollout.engine import Engine, SamplingParams
 from agent_r1.types import Action, Image, Observation, Step, Termination, Trajectory
 
 
@@ -75,8 +75,8 @@ class AgentEnvLoop:
             trajs += [Trajectory(task=task, traj_id=f"{group}-{g}", group_id=group) for g in range(group_size)]
             indices += [first_index + p * group_size + g for g in range(group_size)]
         cohort = cohort and not getattr(self.make_env, "slow_steps", False)
-        make_cohort = getattr(self.engine, "cohort", None) if cohort else None  # LocalEngine: timing-free batches
-        with make_cohort(len(trajs)) if make_cohort else contextlib.nullcontext() as members:
+        # LocalEngine batches a cohort independently of timing; others batch as requests come
+        with self.engine.cohort(len(trajs)) if cohort else contextlib.nullcontext() as members:
             await asyncio.gather(*(self._episode(t, i, members, on_done) for t, i in zip(trajs, indices, strict=True)))
         return trajs
 

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from agent_r1.data.sampler import TaskSampler
+from agent_r1.engines.protocol import Engine, SamplingParams
 from agent_r1.env.base import Env
 from agent_r1.rollout.agent_loop import AgentEnvLoop, fail
-from agent_r1.rollout.engine import SamplingParams
 from agent_r1.types import Termination, Trajectory
 from agent_r1.utils.openmp import release_openmp_workers
 
@@ -44,12 +44,18 @@ from agent_r1.utils.openmp import release_openmp_workers
 class GroupRunner(Protocol):
     """Where the producer's groups run: this process's engine (`EngineGroups`) or Ray workers."""
 
+    engine: Engine | None  # this process's engine; None when the groups run elsewhere (Ray workers)
+
     async def run_group(self, task: dict[str, Any], group_size: int, first_index: int) -> list[Trajectory]:
         """The task's `group_size` trajectories, seeded by their indices from `first_index`."""
         ...
 
     def load_weights(self, state: Mapping[str, Any], version: int, between_tokens: bool = False) -> Any:
         """The engine(s) sample from `state` as `version` (episodes in flight go on, with `between_tokens`)."""
+        ...
+
+    def close(self) -> None:
+        """The producer has stopped: no forward pass may go on after this returns."""
         ...
 
 
@@ -68,8 +74,7 @@ class EngineGroups:
         return self.engine.load_weights(state, version=version, between_tokens=between_tokens)
 
     def close(self) -> None:
-        if hasattr(self.engine, "wait_idle"):
-            self.engine.wait_idle()  # no forward pass goes on after the producer has stopped
+        self.engine.wait_idle()  # no forward pass goes on after the producer has stopped
 
 
 STALL_GROUPS = 4  # steps' worth of groups in a row left out (all errored, or too stale): the run stops
@@ -193,8 +198,7 @@ class AsyncRollout:
             self._stop = True
         self._notify_producer()
         self._thread.join(timeout=60)
-        if hasattr(self.runner, "close"):
-            self.runner.close()
+        self.runner.close()
 
     # --- the producer thread --------------------------------------------------------------------
 

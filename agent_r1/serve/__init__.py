@@ -1,4 +1,4 @@
-"""`agent-r1 serve`: the OpenAI-compatible API (chat with tools, token-id completions) over LocalEngine."""
+"""`agent-r1 serve`: the OpenAI-compatible API (chat with tools, token-id completions) over any engine."""
 
 from agent_r1.serve.app import ServedModel, create_app
 

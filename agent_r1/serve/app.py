@@ -1,4 +1,4 @@
-"""`create_app`: an OpenAI-compatible HTTP API over a `LocalEngine`, which makes it a rollout engine too.
+"""`create_app`: an OpenAI-compatible HTTP API over an engine (`make_engine`), which makes it a rollout engine too.
 
 * `/v1/chat/completions` renders messages with the model's prompt format and the same hermes tools
   system prompt `ToolEnv` trains with, stops at `</tool_call>` as training rollouts do, and returns the
@@ -30,7 +30,7 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,10 +38,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from transformers import PreTrainedTokenizerBase
 
+from agent_r1.engines.protocol import Engine, GenerateOutput, SamplingParams
 from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.models.vision import image_parts
-from agent_r1.rollout.engine import GenerateOutput, SamplingParams
-from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.text_stream import TextStream, visible_prefix
 from agent_r1.serve.http import install_error_handlers, sse
 from agent_r1.serve.messages import chat_result, check_unicode, forced_call, template_messages, tool_schemas
@@ -53,14 +52,16 @@ from agent_r1.types import Image, Message
 class ServedModel:
     """Everything the API needs to know about the one model it serves."""
 
-    engine: LocalEngine
+    engine: Engine
     tokenizer: PreTrainedTokenizerBase
     prompt_format: PromptFormat
     name: str  # the id clients put in "model"
+    eos_ids: Collection[int]  # the tokens that end a response: sampled, never shown
     request_timeout: float = 300.0  # seconds before a request is cancelled and answered with a 504
     default_max_tokens: int = 512  # chat completions without max_tokens get at most this many
     allow_weight_updates: bool = False  # /v1/load_weights replaces the model: only for a trainer's own server
     max_request_bytes: int = 8 * 2**20  # a larger body is a 413, refused before it is held in memory
+    max_batch_size: int = 64  # rows one request may ask for (prompts x n): the engine's batch
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -81,7 +82,7 @@ def create_app(served: ServedModel) -> FastAPI:
 class _API:
     def __init__(self, served: ServedModel) -> None:
         self.s = served
-        self.eos_ids = served.engine.eos_ids
+        self.eos_ids = set(served.eos_ids)
         self._loading = asyncio.Lock()  # one weight load at a time: one extra copy of the weights in memory
         self.generating = 0  # requests queued or decoding; /health shows it, so a leaked one is visible
 
@@ -176,7 +177,7 @@ class _API:
     def _check_chat(self, body: ChatCompletionRequest) -> None:
         """A 400 for what a chat request asks that this server cannot do: more answers than one batch holds,
         or an output format it would have to enforce (JSON mode and JSON schemas need constrained decoding)."""
-        limit = self.s.engine.max_batch_size
+        limit = self.s.max_batch_size
         if body.n > limit:
             raise APIError(
                 400, f"n={body.n} is more answers than this server decodes at once ({limit}, max_batch_size)",
@@ -195,7 +196,7 @@ class _API:
         millions of rows, which take the memory and hold the engine for hours ahead of everyone."""
         p = body.prompt
         prompts = 1 if isinstance(p, str) or not p or isinstance(p[0], int) else len(p)
-        limit = self.s.engine.max_batch_size
+        limit = self.s.max_batch_size
         if prompts * body.n > limit:
             raise APIError(
                 400, f"{prompts} prompts x n={body.n} is {prompts * body.n} rows; this server decodes at most "

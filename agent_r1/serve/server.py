@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import torch
 import uvicorn
 
+from agent_r1.engines import EngineKind, EngineSpec, VLLMConfig, load_for_engine, make_engine
 from agent_r1.env.prompt_format import prompt_format_for
 from agent_r1.env.tool_formats import ToolFormatName
-from agent_r1.models.loading import DEFAULT_MODEL, is_chat_model, load_model, load_processor
+from agent_r1.models.loading import DEFAULT_MODEL, eos_token_ids, is_chat_model, load_processor
 from agent_r1.models.precision import Device, Precision
-from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.serve.app import ServedModel, create_app
 from agent_r1.task import resolve_tool_format
 
@@ -27,6 +26,14 @@ class ServeConfig:
     """where the model runs: auto = cuda when a GPU is visible, else cpu"""
     dtype: Precision = "fp32"
     """weights and compute in fp32, or in bf16 (a GPU choice: half the memory)"""
+    engine: EngineKind = "local"
+    """what samples: local (the CPU engine in this process, or the same code on a GPU), vllm (vLLM in this
+    process), or remote (another OpenAI-compatible server that speaks token ids at url, which this one fronts
+    with model's tokenizer and prompt format)"""
+    url: str = ""
+    """engine=remote: that server's base URL (http://host:port)"""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """engine=vllm: vLLM's own settings"""
     name: str | None = None
     """the model id clients send as "model"; None = the model's name (directory name for a path)"""
     host: str = "127.0.0.1"
@@ -77,6 +84,15 @@ class ServeConfig:
                 "max_batch_size, max_tokens, request_timeout, max_request_mb, kv_cache_gb and max_prefill_tokens "
                 "must be positive"
             )
+        self.engine_spec()  # an unknown engine, or remote without url: one line now
+
+    def engine_spec(self) -> EngineSpec:
+        return EngineSpec(
+            self.engine, self.url, self.max_batch_size, self.kv_cache_gb, self.max_prefill_tokens, self.max_context,
+            self.kv_cache_dtype == "bf16", self.batch_wait_ms / 1000,
+            pack_weights=True,  # a server holds no trainer: its memory can take the weights' oneDNN copies
+            seed=self.seed, dtype=self.dtype, vllm=self.vllm,
+        )  # fmt: skip
 
     @property
     def served_name(self) -> str:
@@ -87,23 +103,21 @@ class ServeConfig:
 
 def run_serve(cfg: ServeConfig) -> None:
     """Load the model, bind the socket (so port=0 can print its real port), serve until Ctrl-C."""
-    model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    model, tokenizer = load_for_engine(cfg.engine, cfg.model, cfg.device, cfg.dtype)
     processor = load_processor(cfg.model) or tokenizer  # a vision-language model reads image_url parts through it
     chat = is_chat_model(cfg.model, processor) if cfg.prompt_format == "auto" else cfg.prompt_format == "chat"
-    engine = LocalEngine(
-        model, tokenizer, max_batch_size=cfg.max_batch_size, max_context=cfg.max_context, seed=cfg.seed,
-        batch_wait_s=cfg.batch_wait_ms / 1000, kv_cache_gb=cfg.kv_cache_gb, max_prefill_tokens=cfg.max_prefill_tokens,
-        pack_weights=True,  # a server holds no trainer: its memory can take the weights' oneDNN copies
-        kv_cache_dtype=torch.bfloat16 if cfg.kv_cache_dtype == "bf16" else None,
-    )  # fmt: skip
+    engine = make_engine(cfg.engine_spec(), model, tokenizer)
     served = ServedModel(
         engine, tokenizer, prompt_format_for(processor, chat, resolve_tool_format(cfg.tool_format, cfg.model)),
-        cfg.served_name,
-        request_timeout=cfg.request_timeout, default_max_tokens=cfg.max_tokens,
+        cfg.served_name, eos_token_ids(model, tokenizer),
+        request_timeout=cfg.request_timeout, default_max_tokens=cfg.max_tokens, max_batch_size=cfg.max_batch_size,
         allow_weight_updates=cfg.allow_weight_updates, max_request_bytes=int(cfg.max_request_mb * 2**20),
     )  # fmt: skip
     sock = socket.create_server((cfg.host, cfg.port), reuse_port=False)
     host, port = sock.getsockname()[:2]
     print(f"agent-r1 serve: {served.name} at http://{host}:{port}/v1", flush=True)
     config = uvicorn.Config(create_app(served), log_level=cfg.log_level, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        engine.close()

@@ -6,32 +6,17 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from agent_r1.algos.advantages import GROUP_ESTIMATORS
+from agent_r1.engines import EngineSpec, VLLMConfig
+from agent_r1.engines.protocol import SamplingParams
 from agent_r1.env.tool_formats import ToolFormatName
 from agent_r1.models.lora import LoraConfig
-from agent_r1.models.precision import TORCH_DTYPES, Device, Precision
+from agent_r1.models.precision import Device, Precision
 from agent_r1.observe.health import HealthConfig
 from agent_r1.observe.loggers import LogConfig
-from agent_r1.rollout.engine import SamplingParams
 from agent_r1.task import TaskSpec
 from agent_r1.trainer.curriculum import CurriculumConfig
 
 Estimator = Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "turn_grpo", "gigpo", "ppo"]
-
-
-@dataclass
-class VLLMConfig:
-    gpu_memory_utilization: float = 0.3
-    """share of GPU memory vLLM may take (weights + KV cache); unused on a CPU, where kv_cache_gb rules"""
-    kv_cache_gb: float | None = None
-    """vLLM's KV cache in GiB; None = what gpu_memory_utilization leaves on a GPU, 4 GiB on a CPU (where
-    vLLM would count the whole trainer process against gpu_memory_utilization of the RAM)"""
-    enforce_eager: bool = True
-    """no CUDA graphs / torch.compile: starts in seconds; set false on a GPU for faster decoding"""
-    sleep: bool = True
-    """on a GPU, free vLLM's memory during the update (vLLM's sleep mode) and wake it for the rollout"""
-    seed_requests: bool | None = None
-    """a seed on every request (seed + trajectory + turn); None = on a CPU only. On a GPU a seeded request
-    takes vLLM's per-request sampling path at every step, and batches are not reproducible anyway"""
 
 
 @dataclass
@@ -79,21 +64,12 @@ class RolloutConfig:
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
 
-    def local_options(self, seed: int) -> dict[str, Any]:
-        """`LocalEngine`'s keyword arguments from this config (in the trainer or on a Ray worker)."""
-        return {
-            "max_batch_size": self.max_batch_size, "seed": seed, "kv_cache_gb": self.kv_cache_gb,
-            "max_prefill_tokens": self.max_prefill_tokens,
-        }  # fmt: skip
-
-    def vllm_options(self, dtype: str, seed: int) -> dict[str, Any]:
-        """`VLLMEngine`'s keyword arguments from this config (in the trainer or on a Ray worker)."""
-        v = self.vllm
-        return {
-            "dtype": TORCH_DTYPES[dtype], "seed": seed, "gpu_memory_utilization": v.gpu_memory_utilization,
-            "enforce_eager": v.enforce_eager, "max_num_seqs": self.max_batch_size, "kv_cache_gb": v.kv_cache_gb,
-            "seed_requests": v.seed_requests,
-        }  # fmt: skip
+    def engine_spec(self, seed: int, dtype: str = "fp32", **kw: Any) -> EngineSpec:
+        """The rollout engine these keys describe (`make_engine`), in the trainer or on a Ray worker."""
+        return EngineSpec(
+            self.engine, self.url, self.max_batch_size, self.kv_cache_gb, self.max_prefill_tokens, seed=seed,
+            dtype=dtype, vllm=self.vllm, **kw,
+        )  # fmt: skip
 
 
 @dataclass

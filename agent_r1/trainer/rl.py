@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import random
 import time
 from collections import Counter
@@ -48,6 +49,8 @@ from agent_r1.data.sampler import TaskSampler
 from agent_r1.distributed import fsdp
 from agent_r1.distributed.group import Dist, contiguous_shards, init_distributed
 from agent_r1.distributed.ray_rollout import RayRollout, connect_ray
+from agent_r1.engines import check_installed, make_engine
+from agent_r1.engines.protocol import engine_busy_s, full_state_dict
 from agent_r1.env.base import Env
 from agent_r1.env.prompt_format import prompt_format_for
 from agent_r1.models.loading import load_model, load_processor, place_model, resolve_model_path
@@ -59,12 +62,8 @@ from agent_r1.observe.loggers import Loggers
 from agent_r1.observe.plot import plot_metrics, read_metrics
 from agent_r1.observe.records import step_path
 from agent_r1.rollout.agent_loop import AgentEnvLoop, correct, summarize
-from agent_r1.rollout.engine import engine_busy_s, full_state_dict
-from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.merge import merge_trajectory
 from agent_r1.rollout.producer import STALL_GROUPS, AsyncRollout, EngineGroups, GroupRunner, RolloutStalled
-from agent_r1.rollout.remote_engine import RemoteEngine
-from agent_r1.rollout.vllm_engine import VLLMEngine, import_vllm
 from agent_r1.task import TaskSpec, resolve_chat, resolve_tool_format
 from agent_r1.trainer.checkpoint import export_policy, resume, save_checkpoint
 from agent_r1.trainer.common import adamw, lr_schedule
@@ -106,8 +105,7 @@ def train(
     console = console or Console(quiet=not dist.main)
     if tasks is not None and cfg.val.every and "data" not in cfg.val.task:  # fail before any model loads
         raise ValueError("val.every is set and the training tasks were passed in: give val.task.data (a jsonl)")
-    if cfg.rollout.engine == "vllm":
-        import_vllm()  # not installed: one line saying how, before any model loads
+    check_installed(cfg.rollout.engine)  # vLLM not installed: one line saying how, before any model loads
     if cfg.cluster.rollout_workers and dist.main:
         connect_ray(cfg.cluster.address)  # Ray missing or an address that does not answer: one line, now
     if dist.world > 1 and cfg.lora.enabled:
@@ -194,7 +192,7 @@ def train(
     history = []
     lockstep = not cfg.rollout.max_staleness
     runner = None if lockstep or not dist.main else _group_runner(cfg, engine, workers, plain, tokenizer, make_env)
-    shared = runner and getattr(runner, "engine", None) is engine  # the producer's engine is the validator's
+    shared = runner and runner.engine is engine  # the producer's engine is the validator's
     sync = _weight_sync(dist, policy, plain, None if shared else engine, workers if lockstep else None)
     sync()  # the engines start from the policy being trained (after a resume too)
     producer = None
@@ -211,7 +209,7 @@ def train(
     stop_producer = contextlib.closing(producer) if producer else contextlib.nullcontext()
     with progress_bar(console) as bar, dist.failure_report() as report, stop_producer:
         task_bar = bar.add_task("RL steps", total=cfg.steps, completed=start)
-        rollout_engine = getattr(producer.runner, "engine", None) if producer else engine
+        rollout_engine = producer.runner.engine if producer else engine
         errored_steps = 0  # steps in a row whose every episode errored
         for step in range(start, cfg.steps):
             t0, report.step = time.perf_counter(), step + 1
@@ -245,7 +243,7 @@ def train(
                 )
             else:
                 trajs = draw(cfg.rollout.tasks_per_step, 0)
-            if lockstep and isinstance(engine, VLLMEngine | LocalEngine):
+            if lockstep:
                 engine.sleep()  # the engine's KV memory goes to the update (on a GPU, vLLM's until the sync wakes it)
             release_memory()  # the rollout's freed blocks go back to the OS, not to a heap the update fragments
             t1 = time.perf_counter()
@@ -366,8 +364,7 @@ def train(
                 save_checkpoint(run_dir, step + 1, modules, optimizer, scheduler, extra, cfg.keep_last, dist)
             release_memory()  # the update's activations and the validation's keys, before the next rollout
 
-    if isinstance(engine, VLLMEngine):
-        engine.shutdown()  # its KV cache and weights are not needed for the export
+    engine.close()  # its KV cache (vLLM's weights) are not needed for the export
     if workers:
         workers.shutdown()
     if offload is not None:
@@ -418,10 +415,8 @@ def _group_runner(
         return workers
     if cfg.rollout.engine != "local":
         return EngineGroups(engine, make_env, cfg.rollout.sampling(), cfg.seed)
-    r = cfg.rollout
-    own = merged_copy(plain)
-    engine = LocalEngine(own, tokenizer, **r.local_options(cfg.seed))
-    return EngineGroups(engine, make_env, r.sampling(), cfg.seed)
+    own = make_engine(cfg.rollout.engine_spec(cfg.seed), merged_copy(plain), tokenizer)
+    return EngineGroups(own, make_env, cfg.rollout.sampling(), cfg.seed)
 
 
 def task_return(algo: AlgoConfig, t: Trajectory) -> float:
@@ -496,16 +491,15 @@ def _engine(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, run_dir: 
     the last two get the policy's weights before the first rollout and after every update. With Ray
     rollout workers, `rollout.engine` is theirs."""
     r = cfg.rollout
+    spec = r.engine_spec(cfg.seed, cfg.dtype, sync_dir=str(run_dir / "weight_sync"))
     if cfg.cluster.rollout_workers:  # Ray workers roll out; this engine only validates, over `policy` itself
-        return LocalEngine(policy, tokenizer, **r.local_options(cfg.seed))
-    if r.engine == "remote":
-        return RemoteEngine(r.url, sync_dir=str(run_dir / "weight_sync"))
+        return make_engine(dataclasses.replace(spec, kind="local"), policy, tokenizer)
     if r.engine == "vllm":
         cuda = resolve_device(cfg.device).type == "cuda"  # `policy` may be a CPU copy (`_unsharded_copy`)
-        path = _engine_source(cfg, policy, tokenizer, run_dir, from_config)
         sleep = r.vllm.sleep and cuda and not r.max_staleness  # asynchronous: it rolls out during the update
-        return VLLMEngine(path, sleep=sleep, **r.vllm_options(cfg.dtype, cfg.seed))
-    return LocalEngine(policy, tokenizer, **r.local_options(cfg.seed))
+        path = _engine_source(cfg, policy, tokenizer, run_dir, from_config)
+        return make_engine(dataclasses.replace(spec, sleep=sleep), path, tokenizer)
+    return make_engine(spec, policy, tokenizer)  # local: the trainer's own model object, no copy
 
 
 def _engine_source(

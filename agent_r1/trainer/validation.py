@@ -16,10 +16,10 @@ from typing import Any
 
 from rich.console import Console
 
+from agent_r1.engines.protocol import Engine, SamplingParams
 from agent_r1.env.base import Env
 from agent_r1.evaluate import evaluate
 from agent_r1.observe.records import step_path, trajectory_records, write_records
-from agent_r1.rollout.engine import Engine, SamplingParams
 from agent_r1.trainer.checkpoint import export_policy
 from agent_r1.trainer.config import TrainConfig
 

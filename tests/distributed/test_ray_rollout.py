@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from agent_r1.distributed.ray_rollout import RayRollout, connect_ray
+from agent_r1.engines.cpu.local_engine import LocalEngine
 from agent_r1.rollout.agent_loop import AgentEnvLoop
-from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.trainer.config import ClusterConfig, RolloutConfig
 from agent_r1.types import Termination
 from tests.trainer.conftest import TASKS, LowIdEnv, tiny_model

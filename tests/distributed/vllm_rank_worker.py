@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from agent_r1.distributed.group import init_distributed
+from agent_r1.engines.protocol import SamplingParams
+from agent_r1.engines.vllm_engine import VLLMEngine
 from agent_r1.models.loading import resolve_model_path
-from agent_r1.rollout.engine import SamplingParams
-from agent_r1.rollout.vllm_engine import VLLMEngine
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
@@ -27,5 +27,5 @@ if __name__ == "__main__":
         "sampled_tokens": len(sample.token_ids),
     }  # fmt: skip
     (out / f"rank{dist.rank}.json").write_text(json.dumps(report))
-    engine.shutdown()
+    engine.close()
     dist.close()

@@ -9,10 +9,10 @@ import re
 
 import pytest
 
+from agent_r1.engines.protocol import GenerateOutput, SamplingParams, no_cohort
 from agent_r1.env.openenv import OpenEnvEnv, local_server, stop_local_servers
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.rollout.agent_loop import AgentEnvLoop
-from agent_r1.rollout.engine import GenerateOutput, SamplingParams
 from agent_r1.rollout.merge import merge_trajectories
 from agent_r1.types import Termination
 from tests.rollout.test_agent_loop import ScriptedEngine
@@ -37,6 +37,7 @@ class BinarySearch:
     guesses the middle of what is left. `text=True` writes the bare number (text mode)."""
 
     max_context = 4096
+    cohort = staticmethod(no_cohort)
 
     def __init__(self, tokenizer, text: bool = False, fixed: str | None = None):
         self.tok, self.text, self.fixed = tokenizer, text, fixed
@@ -165,6 +166,7 @@ class Script:
     """Writes `op` calls in order (one list per episode when `shared=False`: each prompt's own count)."""
 
     max_context = 4096
+    cohort = staticmethod(no_cohort)
 
     def __init__(self, tokenizer, ops, shared=True, raw=False):
         self.tok, self.ops, self.shared, self.raw = tokenizer, list(ops), shared or raw, raw

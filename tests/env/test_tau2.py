@@ -9,11 +9,11 @@ import time
 
 import pytest
 
+from agent_r1.engines.protocol import SamplingParams
 from agent_r1.env.context import ContextConfig
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.env.tau2 import GREETING, Tau2Env, tau2
 from agent_r1.rollout.agent_loop import AgentEnvLoop
-from agent_r1.rollout.engine import SamplingParams
 from agent_r1.rollout.merge import merge_trajectories
 from agent_r1.types import Termination
 from tests.conftest import serving

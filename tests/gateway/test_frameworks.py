@@ -33,13 +33,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from agent_r1.engines.cpu.local_engine import LocalEngine
+from agent_r1.engines.protocol import SamplingParams
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.env.tool_calls import format_tool_call
 from agent_r1.env.tool_env import ToolEnv
 from agent_r1.gateway import ProgramEnv, ProgramEnvFactory
 from agent_r1.rollout.agent_loop import AgentEnvLoop, summarize
-from agent_r1.rollout.engine import SamplingParams
-from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.merge import merge_trajectory
 from agent_r1.tools import calculator
 from agent_r1.trainer.rl import train

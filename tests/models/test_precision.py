@@ -11,6 +11,8 @@ import os
 import pytest
 import torch
 
+from agent_r1.engines.cpu.local_engine import LocalEngine
+from agent_r1.engines.protocol import SamplingParams
 from agent_r1.models.precision import (
     autocast,
     cpu_copy,
@@ -20,8 +22,6 @@ from agent_r1.models.precision import (
     set_precision,
     set_rng_state,
 )
-from agent_r1.rollout.engine import SamplingParams
-from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.trainer.batching import Row, pack, token_logprobs
 from agent_r1.trainer.critic import Critic
 from agent_r1.trainer.update import policy_update

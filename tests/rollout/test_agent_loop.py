@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from agent_r1.engines.protocol import GenerateOutput, SamplingParams, no_cohort
 from agent_r1.env.base import StepResult
 from agent_r1.rollout.agent_loop import AgentEnvLoop, obs_state, summarize
-from agent_r1.rollout.engine import GenerateOutput, SamplingParams
 from agent_r1.rollout.merge import merge_trajectories
 from agent_r1.types import Observation, Termination
 from tests.conftest import recompute_logprobs
@@ -187,6 +187,7 @@ class ScriptedEngine:
     """Returns fixed responses in order: lets ToolEnv tests drive exact model outputs."""
 
     max_context = 4096
+    cohort = staticmethod(no_cohort)
 
     def __init__(self, tokenizer, responses):
         self.tok, self.responses = tokenizer, list(responses)
@@ -255,7 +256,7 @@ class SlowToolEnv(ChattyEnv):
 def test_rollouts_do_not_depend_on_when_tools_return(tiny_model, tokenizer):
     """Rows' logits differ in their last bits with the batch they share, so a resumed run equals an
     uninterrupted one only if batches do not depend on timing: the loop's trajectories are a cohort."""
-    from agent_r1.rollout.local_engine import LocalEngine
+    from agent_r1.engines.cpu.local_engine import LocalEngine
 
     def rollout():
         engine = LocalEngine(tiny_model, tokenizer, seed=0, max_context=1024)

@@ -10,10 +10,10 @@ import time
 import pytest
 
 from agent_r1.data.sampler import TaskSampler
+from agent_r1.engines.cpu.local_engine import LocalEngine
+from agent_r1.engines.protocol import SamplingParams
 from agent_r1.env.base import StepResult
 from agent_r1.rollout import producer as producer_module
-from agent_r1.rollout.engine import SamplingParams
-from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.producer import AsyncRollout, EngineGroups, RolloutStalled
 from agent_r1.types import Observation, Termination
 from tests.trainer.conftest import tiny_model
@@ -122,6 +122,8 @@ def test_groups_that_all_error_are_left_out_and_an_env_that_always_fails_stops_t
 class FailingRunner:
     """Ray's errors other than a dead actor, or a runner bug: `run_group` raises instead of returning."""
 
+    engine = None
+
     def __init__(self):
         self.calls = 0
 
@@ -131,6 +133,9 @@ class FailingRunner:
 
     def load_weights(self, state, version, between_tokens=False):
         return None
+
+    def close(self):
+        pass
 
 
 def test_a_group_that_raises_is_counted_as_errored_and_stops_the_run_instead_of_hanging(tokenizer):

@@ -4,12 +4,12 @@ result, through the engine (prefix sharing, parked slots), merging and the train
 import pytest
 import torch
 
+from agent_r1.engines.cpu.local_engine import LocalEngine
+from agent_r1.engines.protocol import SamplingParams
 from agent_r1.env.base import StepResult
 from agent_r1.env.prompt_format import prompt_format_for
 from agent_r1.models.vision import image_token_id
 from agent_r1.rollout.agent_loop import AgentEnvLoop
-from agent_r1.rollout.engine import SamplingParams
-from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.rollout.merge import merge_trajectory
 from agent_r1.trainer.batching import pack, token_logprobs
 from agent_r1.trainer.rows import build_rows, row_logprobs

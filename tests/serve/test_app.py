@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
+from agent_r1.engines.cpu.local_engine import LocalEngine
+from agent_r1.engines.protocol import SamplingParams
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.models.vision import png_data_url
-from agent_r1.rollout.engine import SamplingParams
-from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.serve import ServedModel, create_app
 from agent_r1.tools import calculator
 from tests.conftest import TOOL_ANSWER, TOOL_QUESTION, make_tiny_llama, recorded_passes, serving
@@ -30,7 +30,7 @@ def model(tool_model_dir):
 @pytest.fixture
 def served(model, tokenizer):
     engine = LocalEngine(model, tokenizer, max_context=512, seed=0)
-    return ServedModel(engine, tokenizer, ChatFormat(tokenizer), NAME, request_timeout=60.0)
+    return ServedModel(engine, tokenizer, ChatFormat(tokenizer), NAME, engine.eos_ids, request_timeout=60.0)
 
 
 @pytest.fixture
@@ -238,7 +238,9 @@ def tiny(tokenizer, seed: int):
 @pytest.fixture
 def tiny_served(tokenizer):
     engine = LocalEngine(tiny(tokenizer, seed=3), tokenizer, max_context=256, seed=0)
-    return ServedModel(engine, tokenizer, ChatFormat(tokenizer), NAME, request_timeout=60.0, allow_weight_updates=True)
+    return ServedModel(
+        engine, tokenizer, ChatFormat(tokenizer), NAME, engine.eos_ids, request_timeout=60.0, allow_weight_updates=True
+    )
 
 
 @pytest.fixture
@@ -375,7 +377,8 @@ async def test_a_vision_model_answers_image_url_parts_as_the_agent_loop_would(ti
 
     model, processor = tiny_llava
     fmt = prompt_format_for(processor)
-    served = ServedModel(LocalEngine(model, processor.tokenizer, seed=0), processor.tokenizer, fmt, NAME)
+    engine = LocalEngine(model, processor.tokenizer, seed=0)
+    served = ServedModel(engine, processor.tokenizer, fmt, NAME, engine.eos_ids)
     transport = httpx.ASGITransport(app=create_app(served))
 
     def ask(url):

@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from agent_r1.engines.cpu.local_engine import LocalEngine
 from agent_r1.env.prompt_format import ChatFormat
-from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.serve import ServedModel, create_app
 from agent_r1.tools import calculator
 from tests.conftest import examples, make_tiny_llama
@@ -30,7 +30,7 @@ def client(tokenizer):
     model = make_tiny_llama(len(tokenizer), hidden=32, eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id)
     engine = LocalEngine(model, tokenizer, max_context=512, seed=0)  # room for a tools system prompt
     served = ServedModel(
-        engine, tokenizer, ChatFormat(tokenizer), NAME, request_timeout=60.0, default_max_tokens=4,
+        engine, tokenizer, ChatFormat(tokenizer), NAME, engine.eos_ids, request_timeout=60.0, default_max_tokens=4,
         allow_weight_updates=True,  # so load_weights checks the path instead of refusing every body
     )  # fmt: skip
     with TestClient(create_app(served), raise_server_exceptions=False) as c:  # a 500 is a response here

@@ -18,8 +18,8 @@ import json
 import httpx
 import pytest
 
+from agent_r1.engines.cpu.local_engine import LocalEngine
 from agent_r1.env.prompt_format import ChatFormat
-from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.serve import ServedModel, create_app
 from tests.conftest import serving
 
@@ -31,7 +31,16 @@ ASK = {"model": NAME, "messages": [{"role": "user", "content": "What is 6 * 7?"}
 @pytest.fixture
 def served(tiny_model, tokenizer):
     engine = LocalEngine(tiny_model, tokenizer, max_context=1024, max_batch_size=8, seed=0)
-    return ServedModel(engine, tokenizer, ChatFormat(tokenizer), NAME, request_timeout=60.0, max_request_bytes=LIMIT)
+    return ServedModel(
+        engine,
+        tokenizer,
+        ChatFormat(tokenizer),
+        NAME,
+        engine.eos_ids,
+        request_timeout=60.0,
+        max_request_bytes=LIMIT,
+        max_batch_size=8,
+    )
 
 
 @pytest.fixture
@@ -171,7 +180,9 @@ async def test_requests_wait_for_kv_memory_instead_of_exceeding_it(tiny_model, t
     answers = {}
     for name, gb in (("tight", budget_gb), ("roomy", 4.0)):
         engine = LocalEngine(tiny_model, tokenizer, max_context=1024, max_batch_size=8, seed=0, kv_cache_gb=gb)
-        served = ServedModel(engine, tokenizer, ChatFormat(tokenizer), NAME, request_timeout=60.0)
+        served = ServedModel(
+            engine, tokenizer, ChatFormat(tokenizer), NAME, engine.eos_ids, request_timeout=60.0, max_batch_size=8
+        )
         held = []
         hook = tiny_model.register_forward_pre_hook(lambda *_, e=engine, h=held: h.append(e._cache.nbytes))
         try:

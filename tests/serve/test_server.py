@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from agent_r1.cli import main
+from agent_r1.engines.cpu import local_engine
 from agent_r1.serve import server
 
 
@@ -21,7 +22,7 @@ def test_kv_cache_dtype_reaches_the_engine(value, dtype, tiny_model_dir, monkeyp
         seen.update(kwargs)
         raise Started
 
-    monkeypatch.setattr(server, "LocalEngine", engine)
+    monkeypatch.setattr(local_engine, "LocalEngine", engine)  # what make_engine builds
     with pytest.raises(Started):
         server.run_serve(server.ServeConfig(model=str(tiny_model_dir), kv_cache_dtype=value))
     assert seen["kv_cache_dtype"] is dtype and seen["pack_weights"] is True

@@ -10,9 +10,9 @@ import json
 import httpx
 import pytest
 
+from agent_r1.engines.cpu.local_engine import LocalEngine
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.env.tool_formats import TOOL_FORMATS
-from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.serve import ServedModel, create_app
 from agent_r1.serve.messages import chat_result, forced_call, template_messages
 from agent_r1.serve.schema import ChatMessage
@@ -83,7 +83,7 @@ def test_the_server_prompts_a_harmony_model_with_its_own_template(tokenizer):
         return await generate(rows, params, *args, **kwargs)
 
     engine.generate = spy
-    served = ServedModel(engine, tok, ChatFormat(tok), "m", request_timeout=60.0)
+    served = ServedModel(engine, tok, ChatFormat(tok), "m", engine.eos_ids, request_timeout=60.0)
 
     async def ask():
         transport = httpx.ASGITransport(app=create_app(served))

@@ -41,9 +41,9 @@ def test_split_membership_follows_the_bucket():
 def test_with_the_python_tool_a_demonstration_replays_exactly_in_the_sandbox(tokenizer):
     """task.tool=python: the SFT demonstration's tool response is what the real sandbox prints, so an
     episode that writes the demonstration's call gets the demonstration's observation and reward 1."""
+    from agent_r1.engines.protocol import SamplingParams
     from agent_r1.env.prompt_format import ChatFormat
     from agent_r1.rollout.agent_loop import AgentEnvLoop
-    from agent_r1.rollout.engine import SamplingParams
     from agent_r1.types import Termination
     from tests.rollout.test_agent_loop import ScriptedEngine
 

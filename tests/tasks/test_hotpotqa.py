@@ -2,12 +2,12 @@
 
 import pytest
 
+from agent_r1.engines.cpu.local_engine import LocalEngine
+from agent_r1.engines.protocol import SamplingParams
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.env.tool_calls import format_tool_call, parse_tool_calls
 from agent_r1.retrieval import Passage, load_retriever
 from agent_r1.rollout.agent_loop import AgentEnvLoop
-from agent_r1.rollout.engine import SamplingParams
-from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.task import TaskSpec
 from agent_r1.tasks import hotpotqa
 from agent_r1.types import Action

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from agent_r1.config import build
+from agent_r1.engines.protocol import SamplingParams
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.rollout.agent_loop import AgentEnvLoop
-from agent_r1.rollout.engine import SamplingParams
 from agent_r1.task import load_task
 from agent_r1.tasks import tau2 as t2
 from agent_r1.types import Termination

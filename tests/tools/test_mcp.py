@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from agent_r1.engines.protocol import SamplingParams
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.env.tool_env import ToolEnv
 from agent_r1.rollout.agent_loop import AgentEnvLoop
-from agent_r1.rollout.engine import SamplingParams
 from agent_r1.tools import echo, execute_tool_call
 from agent_r1.tools.mcp import MCPServer
 from agent_r1.types import Termination

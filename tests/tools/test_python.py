@@ -7,10 +7,10 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from agent_r1.engines.protocol import SamplingParams
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.env.tool_env import ToolEnv
 from agent_r1.rollout.agent_loop import AgentEnvLoop
-from agent_r1.rollout.engine import SamplingParams
 from agent_r1.tools import execute_tool_call, python_tool
 from agent_r1.tools import sandbox as sandbox_mod
 from agent_r1.tools.python import observation

@@ -10,10 +10,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agent_r1.cli import main
 from agent_r1.config import to_dict
+from agent_r1.engines.cpu.local_engine import LocalEngine
+from agent_r1.engines.protocol import SamplingParams
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.models.lora import with_lora
-from agent_r1.rollout.engine import SamplingParams
-from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.trainer.checkpoint import save_checkpoint
 from agent_r1.trainer.config import LoraConfig
 from tests.conftest import make_tiny_llama

@@ -429,14 +429,16 @@ def test_training_through_a_remote_engine_syncs_the_weights_every_step(tmp_path,
     the first rollout and after every update, so the served log-probs are the trainer's own (no drift)."""
     import httpx
 
+    from agent_r1.engines.cpu.local_engine import LocalEngine
     from agent_r1.env.prompt_format import ChatFormat
-    from agent_r1.rollout.local_engine import LocalEngine
     from agent_r1.serve import ServedModel, create_app
     from tests.conftest import serving
 
     served = LocalEngine(tiny_model(seed=3), tokenizer, max_context=1024)
     with serving(
-        create_app(ServedModel(served, tokenizer, ChatFormat(tokenizer), "toy", allow_weight_updates=True))
+        create_app(
+            ServedModel(served, tokenizer, ChatFormat(tokenizer), "toy", served.eos_ids, allow_weight_updates=True)
+        )
     ) as url:
         cfg = toy_config(tmp_path, "steps=2", "rollout.engine=remote", f"rollout.url={url}")
         _, hist = run(cfg, tokenizer)
@@ -450,14 +452,16 @@ def test_asynchronous_training_through_a_remote_engine_loads_weights_between_tok
     which takes each update's weights between two tokens and says which version sampled each token."""
     import httpx
 
+    from agent_r1.engines.cpu.local_engine import LocalEngine
     from agent_r1.env.prompt_format import ChatFormat
-    from agent_r1.rollout.local_engine import LocalEngine
     from agent_r1.serve import ServedModel, create_app
     from tests.conftest import serving
 
     served = LocalEngine(tiny_model(seed=3), tokenizer, max_context=1024)
     with serving(
-        create_app(ServedModel(served, tokenizer, ChatFormat(tokenizer), "toy", allow_weight_updates=True))
+        create_app(
+            ServedModel(served, tokenizer, ChatFormat(tokenizer), "toy", served.eos_ids, allow_weight_updates=True)
+        )
     ) as url:
         cfg = toy_config(tmp_path, "steps=3", "rollout.engine=remote", f"rollout.url={url}", "rollout.max_staleness=1")
         _, hist = run(cfg, tokenizer)

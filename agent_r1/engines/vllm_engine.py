@@ -43,12 +43,20 @@ import itertools
 import os
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent_r1.rollout.engine import GenerateOutput, SamplingParams, full_state_dict
+from agent_r1.engines.protocol import (
+    GenerateOutput,
+    SamplingParams,
+    TokenCallback,
+    full_state_dict,
+    no_cohort,
+    replay_tokens,
+)
 from agent_r1.utils.openmp import release_openmp_workers
 
 if TYPE_CHECKING:
@@ -67,7 +75,7 @@ def import_vllm() -> Any:
     try:
         import vllm
     except ImportError as exc:
-        raise VLLMNotInstalledError(f"rollout.engine=vllm needs vLLM ({exc}): {INSTALL_HINT}") from None
+        raise VLLMNotInstalledError(f"the vllm engine needs vLLM ({exc}): {INSTALL_HINT}") from None
     _guard_kernel_scan()
     return vllm
 
@@ -202,9 +210,15 @@ class VLLMEngine:
     # --- generation --------------------------------------------------------------------------------
 
     async def generate(
-        self, prompts: list[list[int]], params: SamplingParams, *, images: list | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        on_token: TokenCallback | None = None,
+        *,
+        images: list | None = None,
     ) -> list[GenerateOutput]:
-        """Sample one response per prompt; they join whatever batch vLLM is running."""
+        """Sample one response per prompt; they join whatever batch vLLM is running. `on_token` sees each
+        response's tokens once it is finished (this engine does not stream)."""
         if images and any(images):
             raise ValueError("rollout.engine=vllm does not take images yet: use rollout.engine=local for a VLM")
         loop = asyncio.get_running_loop()
@@ -222,7 +236,7 @@ class VLLMEngine:
             self._queue.extend(requests)
             self._cond.notify_all()
         try:
-            return list(await asyncio.gather(*(r.future for r in requests)))
+            return replay_tokens(list(await asyncio.gather(*(r.future for r in requests))), on_token)
         except asyncio.CancelledError:
             self._abort([r.request_id for r in requests])
             raise
@@ -461,7 +475,22 @@ class VLLMEngine:
             self.llm.sleep(level=1)
             self.asleep = True
 
-    def shutdown(self) -> None:
+    def cohort(self, size: int) -> contextlib.AbstractContextManager[Any]:
+        """vLLM batches as requests arrive: no cohort to keep."""
+        return no_cohort(size)
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        """Wait until no request is queued or running."""
+        deadline = time.monotonic() + timeout
+        while (busy := bool(self._queue or self._running)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not busy
+
+    def close(self) -> None:
         """Stop the driver thread; pending callers get an error."""
         with self._cond:
             self._closed = True

@@ -75,6 +75,10 @@ import psutil
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from agent_r1.engines.cpu.decode_attention import kernel_for
+from agent_r1.engines.cpu.kv_cache import Segment, SlotCache, use_slot_attention
+from agent_r1.engines.protocol import GenerateOutput, SamplingParams, TokenCallback, alias_key, full_state_dict
+from agent_r1.models.loading import eos_token_ids
 from agent_r1.models.onednn import Packs, packed_weights
 from agent_r1.models.precision import autocast, model_device
 from agent_r1.models.vision import (
@@ -86,14 +90,10 @@ from agent_r1.models.vision import (
     rope_index,
     rope_positions,
 )
-from agent_r1.rollout.decode_attention import kernel_for
-from agent_r1.rollout.engine import GenerateOutput, SamplingParams, alias_key, full_state_dict
-from agent_r1.rollout.kv_cache import Segment, SlotCache, use_slot_attention
 from agent_r1.types import Image
 from agent_r1.utils.malloc import engine_heap
 from agent_r1.utils.openmp import release_openmp_workers
 
-TokenCallback = Callable[[int, int, float], None]  # (index of the prompt in its call, token id, log-prob)
 RowHook = Callable[[int, int, float], bool]  # (index of the prompt, token id, log-prob) -> keep decoding it
 BLOCK = 16  # parked tokens are indexed every BLOCK tokens (shorter matches are not looked up)
 COLUMN_STEP = 256  # slot capacity grows in steps of this many tokens
@@ -291,7 +291,7 @@ class LocalEngine:
         self.min_shared_prefix = min_shared_prefix  # shorter common prefixes are not worth a separate pass
         self.kv_cache_bytes = kv_budget(kv_cache_gb, model_device(model))  # slots (running and parked) never take more
         self.max_prefill_tokens = max_prefill_tokens  # prompt tokens one forward pass computes beside its decode rows
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_token_ids(model, tokenizer)
         self._seeds = random.Random(seed)
         self.weights_version = 0  # bumped by every load_weights
         # prompt tokens computed / whose keys were already held, decode steps and the tokens they fed,
@@ -440,6 +440,11 @@ class LocalEngine:
             self.load_weights(full_state_dict(model))
         else:
             self.sleep()
+
+    def close(self) -> None:
+        """Finish what runs, then free the KV memory and the packed weights (the model is the caller's)."""
+        self.wait_idle()
+        self.sleep()
 
     def sleep(self) -> None:
         """Free the KV memory and the packed weights (running sequences finish first): the trainer's
@@ -1114,17 +1119,3 @@ def _hits_stop(tokenizer: PreTrainedTokenizerBase, tail: list[int], stop: tuple[
     """True when the decoded tail of a response contains a stop string (checked every token)."""
     text = tokenizer.decode(tail, skip_special_tokens=False)
     return any(s in text for s in stop)
-
-
-def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
-    """EOS ids from both the tokenizer and the generation config (chat models often list several)."""
-    ids: set[int] = set()
-    gen = getattr(model, "generation_config", None)
-    for value in (tokenizer.eos_token_id, getattr(gen, "eos_token_id", None)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif value:
-            ids.update(int(v) for v in value)
-    if not ids:
-        raise ValueError("the tokenizer and the model define no EOS token")
-    return ids

@@ -17,11 +17,11 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from agent_r1.engines.cpu import kv_cache, local_engine
+from agent_r1.engines.cpu.local_engine import LocalEngine
+from agent_r1.engines.protocol import SamplingParams
 from agent_r1.models.onednn import _PACKS, OneDNNLinear, onednn_available
 from agent_r1.models.precision import autocast, set_precision
-from agent_r1.rollout import kv_cache, local_engine
-from agent_r1.rollout.engine import SamplingParams
-from agent_r1.rollout.local_engine import LocalEngine
 from agent_r1.utils import malloc, openmp
 from tests.conftest import make_tiny_llama, recompute_logprobs, record_kernel_segments, recorded_passes
 
@@ -755,8 +755,8 @@ import threading, time
 from transformers import AutoTokenizer
 from agent_r1.cli import exit_on_sigterm
 from agent_r1.models.loading import resolve_model_path
-from agent_r1.rollout.engine import SamplingParams
-from agent_r1.rollout.local_engine import LocalEngine
+from agent_r1.engines.protocol import SamplingParams
+from agent_r1.engines.cpu.local_engine import LocalEngine
 from agent_r1.utils import malloc
 from tests.conftest import make_tiny_llama
 
@@ -777,7 +777,7 @@ def test_sigterm_mid_decode_exits_143_not_an_abort():
     """`agent-r1 train` killed mid-rollout exited 134 ("terminate called without an active exception"):
     the daemon decode thread was inside a forward pass while the interpreter tore torch down. The engine
     now stops its decode thread at exit, so the kill ends as SIGTERM should (128 + 15)."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "PYTHONPATH": str(root)}
     proc = subprocess.Popen(
         [sys.executable, "-c", KILLED_MID_DECODE],
@@ -802,8 +802,8 @@ import atexit, ctypes, threading
 atexit.register(lambda: print("alive", sum(t.name == "agent-r1-decode" for t in threading.enumerate())))  # runs last
 from transformers import AutoTokenizer
 from agent_r1.models.loading import resolve_model_path
-from agent_r1.rollout.engine import SamplingParams
-from agent_r1.rollout.local_engine import LocalEngine
+from agent_r1.engines.protocol import SamplingParams
+from agent_r1.engines.cpu.local_engine import LocalEngine
 from agent_r1.utils import malloc
 from tests.conftest import make_tiny_llama
 
@@ -821,7 +821,7 @@ def test_the_interpreter_exits_only_after_the_decode_thread_has_ended():
     active exception"): once idle, the decode thread still left its heap and then freed the engine it held,
     and when the main thread had already let the engine go, those tensors were freed while the interpreter
     was being finalized. At exit every decode thread is now joined, however far it has got."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     out = subprocess.run(
         [sys.executable, "-c", LEFT_WHILE_THE_THREAD_ENDS],
         cwd=root,

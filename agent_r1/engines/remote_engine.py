@@ -36,6 +36,7 @@ the weights) is always an error.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import tempfile
 from collections.abc import Mapping
@@ -43,7 +44,15 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from agent_r1.rollout.engine import GenerateOutput, SamplingParams, alias_key, full_state_dict
+from agent_r1.engines.protocol import (
+    GenerateOutput,
+    SamplingParams,
+    TokenCallback,
+    alias_key,
+    full_state_dict,
+    no_cohort,
+    replay_tokens,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -91,7 +100,12 @@ class RemoteEngine:
         self._token_texts: dict[int, str] = {}  # EOS token id -> its text (vLLM servers)
 
     async def generate(
-        self, prompts: list[list[int]], params: SamplingParams, *, images: list | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        on_token: TokenCallback | None = None,
+        *,
+        images: list | None = None,
     ) -> list[GenerateOutput]:
         """Sample one response per prompt; requests go out together, so the server can batch them.
         Once weights were synced, the server's weights version is checked after the call: versions
@@ -102,7 +116,7 @@ class RemoteEngine:
         start = self.weights_version
         outs = list(await asyncio.gather(*(self._one(client, p, params, i, start) for i, p in enumerate(prompts))))
         await self._check_version(client, start)
-        return outs
+        return replay_tokens(outs, on_token)  # the responses come whole: their tokens are replayed
 
     async def _check_version(self, client: httpx.AsyncClient, start: int) -> None:
         """The server must serve `start`, the version current when the call began, or with partial
@@ -202,6 +216,24 @@ class RemoteEngine:
         if r.status_code != 200:
             raise RemoteEngineError(f"{url} refused the weights ({r.status_code}): {_error_message(r)}")
         return r.json() if r.content else {}
+
+    def cohort(self, size: int) -> contextlib.AbstractContextManager[Any]:
+        """The server batches as requests arrive: no cohort to keep."""
+        return no_cohort(size)
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def sleep(self) -> None:
+        """The server's memory is the server's: nothing to give back here."""
+
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        return True  # every request this engine makes is awaited by its caller
+
+    def close(self) -> None:
+        """Forget the connection pools (each belongs to an event loop, closed with it or by `aclose`)."""
+        self._clients.clear()
 
     async def aclose(self) -> None:
         """Close this event loop's connection pool."""

@@ -50,11 +50,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from agent_r1.engines import SLOT_ATTENTION
+from agent_r1.engines.cpu.decode_attention import kernel_for
 from agent_r1.models.onednn import ForwardMixin, mix_in
-from agent_r1.rollout.decode_attention import kernel_for
 
 ZERO_AHEAD = 64  # columns `read_up_to` makes finite at a time
-SLOT_ATTENTION = "agent_r1_slots"  # the attention implementation a LocalEngine's model runs with
 _ACTIVE: contextvars.ContextVar[SlotCache | None] = contextvars.ContextVar("agent_r1_slot_cache", default=None)
 
 

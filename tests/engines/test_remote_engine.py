@@ -19,13 +19,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from agent_r1.engines.cpu.local_engine import LocalEngine
+from agent_r1.engines.protocol import SamplingParams, full_state_dict
+from agent_r1.engines.remote_engine import RemoteEngine, RemoteEngineError, parse_choice
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.env.tool_env import ToolEnv
 from agent_r1.models import load_model
 from agent_r1.rollout.agent_loop import AgentEnvLoop
-from agent_r1.rollout.engine import SamplingParams, full_state_dict
-from agent_r1.rollout.local_engine import LocalEngine
-from agent_r1.rollout.remote_engine import RemoteEngine, RemoteEngineError, parse_choice
 from agent_r1.serve import ServedModel, create_app
 from agent_r1.tools import calculator
 from tests.conftest import TOOL_QUESTION, make_tiny_llama, recompute_logprobs, serving
@@ -153,7 +153,9 @@ def tiny_server(tokenizer):
     """`agent-r1 serve`'s app on loopback (uvicorn in a thread) serving tiny model A: (url, its engine)."""
     engine = LocalEngine(tiny(tokenizer, seed=0), tokenizer, max_context=1024)
     with serving(
-        create_app(ServedModel(engine, tokenizer, ChatFormat(tokenizer), "tiny-a", allow_weight_updates=True))
+        create_app(
+            ServedModel(engine, tokenizer, ChatFormat(tokenizer), "tiny-a", engine.eos_ids, allow_weight_updates=True)
+        )
     ) as url:
         yield url, engine
 

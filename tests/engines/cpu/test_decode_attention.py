@@ -15,11 +15,11 @@ import transformers
 from torch.utils import cpp_extension
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from agent_r1.rollout import decode_attention, kv_cache
-from agent_r1.rollout.decode_attention import kernel_for
-from agent_r1.rollout.engine import SamplingParams
-from agent_r1.rollout.kv_cache import Segment, SlotCache, use_slot_attention
-from agent_r1.rollout.local_engine import LocalEngine
+from agent_r1.engines.cpu import decode_attention, kv_cache
+from agent_r1.engines.cpu.decode_attention import kernel_for
+from agent_r1.engines.cpu.kv_cache import Segment, SlotCache, use_slot_attention
+from agent_r1.engines.cpu.local_engine import LocalEngine
+from agent_r1.engines.protocol import SamplingParams
 from tests.conftest import make_tiny_llama, recompute_logprobs, record_kernel_segments
 
 
@@ -61,8 +61,8 @@ def test_each_row_attends_to_exactly_its_columns_of_its_slot(group, dim, path):
 
 AVX2_BUILD = """
 import torch
-from agent_r1.rollout import decode_attention
-from tests.rollout.test_decode_attention import row_by_row
+from agent_r1.engines.cpu import decode_attention
+from tests.engines.cpu.test_decode_attention import row_by_row
 kernel = decode_attention._build("x86-64-v3")  # one build a process: this one's kernel is the AVX2 build's
 assert torch.ops.agent_r1.decode_attention_simd(), "the AVX2 build has no row intrinsics"
 for dtype in (torch.float32, torch.bfloat16):
@@ -90,7 +90,7 @@ def test_an_avx2_build_has_row_intrinsics_that_compute_sdpa():
     """Most laptops have AVX2 and not AVX-512: their build (x86-64-v3) sums 8 keys' scores at a time with
     intrinsics, as the AVX-512 build does 16. Built here in a process of its own, its rows must be SDPA's
     over each row's own columns for every head size and group, over fp32 and bf16 keys."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "PYTHONPATH": str(root)}
     args = [sys.executable, "-c", AVX2_BUILD]
     out = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, timeout=600)

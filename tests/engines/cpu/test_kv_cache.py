@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from agent_r1.rollout import kv_cache
-from agent_r1.rollout.kv_cache import SLOT_ATTENTION, Segment, SlotCache, use_slot_attention
-from agent_r1.rollout.local_engine import _row_runs
+from agent_r1.engines.cpu import kv_cache
+from agent_r1.engines.cpu.kv_cache import SLOT_ATTENTION, Segment, SlotCache, use_slot_attention
+from agent_r1.engines.cpu.local_engine import _row_runs
 from tests.conftest import make_tiny_llama
 
 

@@ -15,9 +15,9 @@ import httpx
 import pytest
 import torch
 
+from agent_r1.engines.protocol import SamplingParams
+from agent_r1.engines.remote_engine import RemoteEngine, RemoteEngineError
 from agent_r1.rollout.agent_loop import AgentEnvLoop
-from agent_r1.rollout.engine import SamplingParams
-from agent_r1.rollout.remote_engine import RemoteEngine, RemoteEngineError
 from agent_r1.types import Termination
 from tests.conftest import make_tiny_llama, recompute_logprobs
 from tests.trainer.conftest import LowIdEnv

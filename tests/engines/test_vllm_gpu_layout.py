@@ -19,8 +19,8 @@ from vllm.config import DeviceConfig
 from vllm.platforms import current_platform
 from vllm.v1.executor.abstract import Executor
 
-from agent_r1.rollout.engine import SamplingParams
-from agent_r1.rollout.vllm_engine import VLLMEngine, executor_options, import_vllm
+from agent_r1.engines.protocol import SamplingParams
+from agent_r1.engines.vllm_engine import VLLMEngine, executor_options, import_vllm
 
 
 def vllm_worker_gpu(kwargs: dict) -> int:
@@ -85,7 +85,7 @@ def test_under_torchrun_each_ranks_engine_and_driver_thread_are_on_its_own_gpu(m
             time.sleep(0.01)
         assert current == {threading.current_thread().name: rank, "vllm-driver": rank}
     finally:
-        engine.shutdown()
+        engine.close()
 
 
 @pytest.mark.parametrize(
@@ -100,7 +100,7 @@ def test_requests_are_seeded_on_a_cpu_and_left_to_vllms_engine_seed_on_a_gpu(
         with pytest.raises(RuntimeError, match="recorded"):
             asyncio.run(engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=4, seed=7)))
     finally:
-        engine.shutdown()
+        engine.close()
     assert [p.seed for p in added] == seeds
 
 
