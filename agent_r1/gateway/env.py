@@ -28,20 +28,19 @@ import shlex
 import signal
 import sys
 import threading
-import time
 import traceback
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from agent_r1.api import bodies
+from agent_r1.api.messages import chat_result, check_unicode, forced_call, template_messages, tool_schemas
+from agent_r1.api.schema import APIError, ChatMessage
 from agent_r1.env.base import StepResult
 from agent_r1.env.prompt_format import PromptFormat, prompt_format_for
 from agent_r1.env.tool_calls import ParseError
 from agent_r1.gateway.server import Call, Gateway, Mailbox, gateway
 from agent_r1.models.vision import image_parts
-from agent_r1.serve.messages import chat_result, check_unicode, forced_call, template_messages, tool_schemas
-from agent_r1.serve.schema import APIError, ChatMessage
 from agent_r1.types import Action, Observation, Termination
 
 # a command line (a string, split like a shell would) or its arguments, or fn(task, base_url, api_key)
@@ -156,7 +155,7 @@ class ProgramEnv:
         for a in actions:
             text = self.forced + a.text  # a forced call's opening is the env's, the rest the policy's
             content, calls, finish = chat_result(text, self.client_stops, self.tools, a.finish_reason, calls_format)
-            messages.append({"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {}))
+            messages.append(bodies.chat_message(content, calls))
             finishes.append(finish)
             # the model's calls, which the program runs: counted as ToolEnv counts them (malformed ones stay content)
             parsed = calls_format.parse(text, {t["function"]["name"]: t for t in self.tools}) if self.tools else []
@@ -332,19 +331,11 @@ class ProgramEnv:
         body = self.call.body
         choices = []
         for k, (message, finish, action) in enumerate(zip(messages, finishes, actions, strict=True)):
-            choice: dict[str, Any] = {"index": k, "message": message, "logprobs": None, "finish_reason": finish}
-            if body.logprobs:
-                decode = self.format.tokenizer.decode
-                pairs = zip(action.token_ids, action.logprobs, strict=True)
-                content = [{"token": decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []} for t, lp in pairs]
-                choice["logprobs"] = {"content": content}
-            choices.append(choice)
-        p, c = len(self.prompt), sum(len(a.token_ids) for a in actions)
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": body.model, "choices": choices,
-            "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
-        }  # fmt: skip
+            tokenizer = self.format.tokenizer
+            logprobs = bodies.token_logprobs(tokenizer, action.token_ids, action.logprobs) if body.logprobs else None
+            choices.append(bodies.chat_choice(k, message, finish, logprobs))
+        completion_tokens = sum(len(a.token_ids) for a in actions)
+        return bodies.chat_completion(bodies.head("chat", body.model), choices, len(self.prompt), completion_tokens)
 
     # --- the end -------------------------------------------------------------------------------------
     def _end(self, end: _Exit) -> tuple[float | None, dict[str, Any]]:

@@ -23,7 +23,6 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +30,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from agent_r1.serve.http import install_error_handlers, sse
-from agent_r1.serve.schema import APIError, ChatCompletionRequest
+from agent_r1.api import bodies
+from agent_r1.api.http import install_error_handlers, sse
+from agent_r1.api.schema import APIError, ChatCompletionRequest
 
 MODEL_NAME = "agent-r1-policy"  # what /v1/models lists; a request may name any model, it is the policy either way
 MAX_N = 16  # answers one request may ask for: n samples of one step cost n times one answer's decoding
@@ -178,8 +178,7 @@ def create_app(gw: Gateway) -> FastAPI:
     @app.get("/episodes/{episode_id}/v1/models")
     async def models(episode_id: str, request: Request) -> dict[str, Any]:
         gw.mailbox(episode_id, request)
-        card = {"id": MODEL_NAME, "object": "model", "created": 0, "owned_by": "agent-r1"}
-        return {"object": "list", "data": [card]}
+        return bodies.model_list({"id": MODEL_NAME, "created": 0})
 
     @app.post("/episodes/{episode_id}/reward")
     async def reward(episode_id: str, body: RewardReport, request: Request) -> dict[str, Any]:
@@ -208,7 +207,7 @@ def create_app(gw: Gateway) -> FastAPI:
             raise result
         if not body.stream:
             return result
-        return sse(_chunks(result, bool((body.stream_options or {}).get("include_usage"))))
+        return sse(bodies.chat_chunks(result, bool((body.stream_options or {}).get("include_usage"))))
 
     return app
 
@@ -221,26 +220,3 @@ def _check(body: GatewayChatRequest) -> None:
             "policy in training, so the cap bounds what one program can ask of the rollout)",
             param="n",
         )  # fmt: skip
-
-
-async def _chunks(completion: dict[str, Any], usage: bool) -> AsyncIterator[dict[str, Any]]:
-    """A whole chat.completion as OpenAI's stream of chat.completion.chunk events, choice by choice: the role,
-    the content, the tool calls (each whole, with its index), the finish reason; then, when the request asked
-    with stream_options.include_usage, a last chunk with no choices and the usage (null in the others)."""
-    head = {k: completion[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-    if usage:
-        head["usage"] = None
-
-    def chunk(k: int, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return head | {"choices": [{"index": k, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-
-    for k, choice in enumerate(completion["choices"]):
-        message = choice["message"]
-        yield chunk(k, {"role": "assistant", "content": ""})
-        if message.get("content"):
-            yield chunk(k, {"content": message["content"]})
-        if message.get("tool_calls"):
-            yield chunk(k, {"tool_calls": [c | {"index": i} for i, c in enumerate(message["tool_calls"])]})
-        yield chunk(k, {}, choice["finish_reason"])
-    if usage:
-        yield head | {"choices": [], "usage": completion["usage"]}

@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,13 +37,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from transformers import PreTrainedTokenizerBase
 
+from agent_r1.api import bodies
+from agent_r1.api.http import install_error_handlers, sse
+from agent_r1.api.messages import chat_result, check_unicode, forced_call, template_messages, tool_schemas
+from agent_r1.api.schema import APIError, ChatCompletionRequest, CompletionRequest, LoadWeightsRequest
 from agent_r1.engines.protocol import Engine, GenerateOutput, SamplingParams
 from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.models.vision import image_parts
 from agent_r1.rollout.text_stream import TextStream, visible_prefix
-from agent_r1.serve.http import install_error_handlers, sse
-from agent_r1.serve.messages import chat_result, check_unicode, forced_call, template_messages, tool_schemas
-from agent_r1.serve.schema import APIError, ChatCompletionRequest, CompletionRequest, LoadWeightsRequest
 from agent_r1.types import Image, Message
 
 
@@ -89,9 +89,8 @@ class _API:
     # --- endpoints -----------------------------------------------------------------------------------
     async def models(self) -> dict[str, Any]:
         s = self.s
-        card = {"id": s.name, "object": "model", "created": s.created, "owned_by": "agent-r1"}
         extra = {"max_model_len": s.engine.max_context, "weights_version": s.engine.weights_version}
-        return {"object": "list", "data": [card | extra]}
+        return bodies.model_list({"id": s.name, "created": s.created} | extra)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
         self._check_model(body.model)
@@ -110,7 +109,7 @@ class _API:
             max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
             stop=(calls_format.stop if one_call else ()) + stops, seed=body.seed,
         )  # fmt: skip
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.s.name}
+        head = bodies.head("chat", self.s.name)
         rows = [prompt] * body.n  # choice k is sampled with seed + k (the engine's), as vLLM's n
         if body.stream:
             return sse(self._chat_events(head, rows, images, params, stops, tools, forced))
@@ -118,17 +117,12 @@ class _API:
         choices = []
         for k, out in enumerate(outs):
             content, calls, finish = chat_result(forced + out.text, stops, tools, out.finish_reason, calls_format)
-            message: dict[str, Any] = {"role": "assistant", "content": content}
-            if calls:
-                message["tool_calls"] = calls
-            choice = {"index": k, "message": message, "logprobs": None, "finish_reason": finish}
-            if body.logprobs:
-                pairs = zip(out.token_ids, out.logprobs, strict=True)
-                choice["logprobs"] = {"content": [self._token_logprob(t, lp) for t, lp in pairs]}
+            logprobs = bodies.token_logprobs(self.s.tokenizer, out.token_ids, out.logprobs) if body.logprobs else None
+            choice = bodies.chat_choice(k, bodies.chat_message(content, calls), finish, logprobs)
             if body.return_token_ids:
                 choice |= {"token_ids": out.token_ids, "token_versions": out.versions}
             choices.append(choice)
-        response = head | {"object": "chat.completion", "choices": choices, "usage": _usage(rows, outs)}
+        response = bodies.chat_completion(head, choices, *_usage(rows, outs))
         if body.return_token_ids:
             response["prompt_token_ids"] = prompt
         return response
@@ -146,12 +140,12 @@ class _API:
         )  # fmt: skip
         # choice k = prompt k // n, sample k % n; each gets its own seed (engine: seed + k), as in vLLM's n
         rows = [p for p in prompts for _ in range(body.n)]
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.s.name}
+        head = bodies.head("text", self.s.name)
         if body.stream:
             return sse(self._completion_events(head, rows, params, body))
         outs = await self._generate(request, rows, params)
         choices = [self._completion_choice(k, p, o, body) for k, (p, o) in enumerate(zip(rows, outs, strict=True))]
-        return head | {"object": "text_completion", "choices": choices, "usage": _usage(rows, outs)}
+        return head | {"object": "text_completion", "choices": choices, "usage": bodies.usage(*_usage(rows, outs))}
 
     async def load_weights(self, body: LoadWeightsRequest) -> dict[str, Any]:
         """Read the file, then copy it in between two batches (`between_tokens`: at the next token
@@ -293,26 +287,19 @@ class _API:
         """Each choice's content as it is sampled (none inside a call, nor after a forced call's opening),
         then its tool calls, whole, with its finish reason."""
 
-        def chunk(k: int, delta: dict, finish: str | None = None) -> dict:
-            choice = {"index": k, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return head | {"object": "chat.completion.chunk", "choices": [choice]}
-
         for k in range(len(rows)):
-            yield chunk(k, {"role": "assistant", "content": ""})
+            yield bodies.chat_chunk(head, k, {"role": "assistant", "content": ""})
         calls_format = self.s.prompt_format.tool_format
         markers = (calls_format.markers if tools else ()) + stops
         texts = [TextStream(self.s.tokenizer, self.eos_ids, markers) for _ in rows]
         async with self._tokens(rows, params, images) as (next_event, outputs):
             while (event := await next_event()) is not None:
                 if not forced and (delta := texts[event[0]].push(event[1])):
-                    yield chunk(event[0], {"content": delta})
+                    yield bodies.chat_chunk(head, event[0], {"content": delta})
             outs = outputs()
         for k, out in enumerate(outs):
             content, calls, finish = chat_result(forced + out.text, stops, tools, out.finish_reason, calls_format)
-            last: dict[str, Any] = {"content": rest} if (rest := texts[k].finish(content or "")) else {}
-            if calls:
-                last["tool_calls"] = [c | {"index": i} for i, c in enumerate(calls)]
-            yield chunk(k, last, finish)
+            yield bodies.chat_chunk(head, k, bodies.last_delta(texts[k].finish(content or ""), calls), finish)
 
     async def _completion_events(
         self, head: dict, rows: list[list[int]], params: SamplingParams, body: CompletionRequest
@@ -352,9 +339,6 @@ class _API:
         tokens = [f"token_id:{t}" if body.return_tokens_as_token_ids else self.s.tokenizer.decode([t]) for t in ids]
         return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None}
 
-    def _token_logprob(self, token: int, logprob: float) -> dict:
-        return {"token": self.s.tokenizer.decode([token]), "logprob": logprob, "bytes": None, "top_logprobs": []}
-
 
 def _finish(out: GenerateOutput, stops: tuple[str, ...]) -> tuple[str, str | None]:
     """vLLM's (finish_reason, stop_reason): EOS is ("stop", None), a stop string ("stop", that string)."""
@@ -379,9 +363,9 @@ def _read_safetensors(path: str) -> dict:
         raise APIError(400, f"cannot read {path!r} as safetensors: {message}", param="path") from None
 
 
-def _usage(prompts: list[list[int]], outs: list[GenerateOutput]) -> dict[str, int]:
-    p, c = sum(map(len, prompts)), sum(len(o.token_ids) for o in outs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+def _usage(prompts: list[list[int]], outs: list[GenerateOutput]) -> tuple[int, int]:
+    """(prompt tokens, completion tokens) of a request's rows."""
+    return sum(map(len, prompts)), sum(len(o.token_ids) for o in outs)
 
 
 def _timeout(seconds: float) -> APIError:

@@ -159,7 +159,7 @@ def fixed_call_ids(framework: str):
     episode (see the module's docstring); for the other frameworks, nothing changes."""
     with pytest.MonkeyPatch.context() as patch:
         if framework == "smolagents":
-            patch.setattr("agent_r1.serve.messages.uuid", SimpleNamespace(uuid4=lambda: SimpleNamespace(hex="0" * 32)))
+            patch.setattr("agent_r1.api.messages.uuid", SimpleNamespace(uuid4=lambda: SimpleNamespace(hex="0" * 32)))
         yield
 
 

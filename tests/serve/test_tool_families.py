@@ -1,4 +1,4 @@
-"""`agent-r1 serve` (and the gateway, which shares agent_r1.serve.messages) for models of every tool-call
+"""`agent-r1 serve` (and the gateway, which shares agent_r1.api.messages) for models of every tool-call
 family: the request rendered by the model's own template with its tools, the answer's calls read in the
 family's syntax into OpenAI `tool_calls`, and a forced call opened as the family writes one."""
 
@@ -10,12 +10,12 @@ import json
 import httpx
 import pytest
 
+from agent_r1.api.messages import chat_result, forced_call, template_messages
+from agent_r1.api.schema import ChatMessage
 from agent_r1.engines.cpu.local_engine import LocalEngine
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.env.tool_formats import TOOL_FORMATS
 from agent_r1.serve import ServedModel, create_app
-from agent_r1.serve.messages import chat_result, forced_call, template_messages
-from agent_r1.serve.schema import ChatMessage
 from tests.conftest import make_tiny_llama
 from tests.env.test_tool_formats import FAMILIES, templated
 

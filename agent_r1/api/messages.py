@@ -20,11 +20,11 @@ from typing import Any
 
 import jsonschema
 
+from agent_r1.api.schema import APIError, ChatMessage, ToolSpec
 from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.env.tool_calls import ParsedCall, format_tool_responses
 from agent_r1.env.tool_formats import TOOL_FORMATS, ToolFormat, tools_prompt
 from agent_r1.rollout.text_stream import visible_prefix
-from agent_r1.serve.schema import APIError, ChatMessage, ToolSpec
 from agent_r1.tools import Tool
 from agent_r1.types import Message
 

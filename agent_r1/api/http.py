@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.types import Message as ASGIMessage
 
-from agent_r1.serve.schema import APIError
+from agent_r1.api.schema import APIError
 
 
 def install_error_handlers(app: FastAPI, max_request_bytes: int) -> None:
