@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value")
     if chosen:
         quiet_third_party(not verbose)
+        log_to_terminal()
         argv = [chosen, *flags_to_overrides(cls, argv[1:])]
     ns = parser.parse_args(argv)  # no command: usage and exit
     try:
@@ -159,6 +160,21 @@ def quiet_third_party(quiet: bool) -> None:
     else:
         hf_logging.enable_progress_bar()
         hub.enable_progress_bars()
+
+
+def log_to_terminal() -> None:
+    """The library's messages (`logging.getLogger("agent_r1...")`: a kernel being compiled, a memory budget
+    capped, a tool skipped) on stderr through rich, from INFO up. The library itself installs no handler, so a
+    program that embeds agent-r1 filters them as it filters any logger's."""
+    import logging
+
+    from rich.console import Console
+    from rich.logging import RichHandler
+
+    logger = logging.getLogger("agent_r1")
+    if not any(isinstance(h, RichHandler) for h in logger.handlers):
+        logger.addHandler(RichHandler(console=Console(stderr=True), show_time=False, show_path=False, markup=False))
+        logger.setLevel(logging.INFO)
 
 
 def flags_to_overrides(cls: type, args: list[str]) -> list[str]:

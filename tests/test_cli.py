@@ -198,3 +198,25 @@ def test_a_run_that_stalls_stops_with_one_line_and_any_other_error_is_raised(mon
     monkeypatch.setattr(cli, "command", lambda name: (TrainConfig, fails))
     with pytest.raises(RuntimeError, match="a bug"):
         main(["train"])
+
+
+def test_the_cli_shows_the_librarys_log_messages_once_through_rich(capsys):
+    """The library logs (`logging.getLogger("agent_r1...")`) and installs no handler; a command shows its
+    messages from INFO up on stderr, however many times `main` runs in one process."""
+    import logging
+
+    from rich.logging import RichHandler
+
+    from agent_r1.cli import log_to_terminal
+
+    logger = logging.getLogger("agent_r1")
+    before = list(logger.handlers)
+    try:
+        log_to_terminal()
+        log_to_terminal()
+        assert sum(isinstance(h, RichHandler) for h in logger.handlers) == 1
+        logging.getLogger("agent_r1.engines.cpu.decode_attention").info("compiling the kernel")
+        assert "compiling the kernel" in capsys.readouterr().err
+    finally:
+        logger.handlers = before
+        logger.setLevel(logging.NOTSET)

@@ -30,6 +30,7 @@ import contextlib
 import fcntl
 import functools
 import json
+import logging
 import select
 import subprocess
 import sys
@@ -46,6 +47,8 @@ from agent_r1.env.tool_env import ToolEnv
 from agent_r1.tools import Tool, ToolResult
 from agent_r1.types import Action, Observation, Termination
 from agent_r1.utils.paths import cache_dir
+
+log = logging.getLogger(__name__)
 
 VERSION = "2026.3.23"
 # bfcl-eval without its declared dependencies, and what its data, conversion, execution and checkers import
@@ -83,7 +86,7 @@ def bfcl_python(python: str | None = None) -> str:
     with open(venv.parent / f".bfcl-{VERSION}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (venv / ".installed").exists():
-            print(f"making BFCL's venv at {venv} (once): bfcl-eval=={VERSION}, no dependencies", file=sys.stderr)
+            log.info(f"making BFCL's venv at {venv} (once): bfcl-eval=={VERSION}, no dependencies")
             try:
                 subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
                 pip = [str(exe), "-m", "pip", "install", "-q", "--no-deps", *PACKAGES]

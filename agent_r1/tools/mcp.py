@@ -29,12 +29,14 @@ import concurrent.futures
 import contextlib
 import importlib.util
 import json
+import logging
 import threading
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from agent_r1.tools.base import TOOL_NAME_RE, Tool, ToolResult
+
+log = logging.getLogger(__name__)
 
 
 class MCPServer:
@@ -173,10 +175,7 @@ class MCPServer:
         """A `Tool` for one listed MCP tool, or None (with a warning) when its name or schema is unusable."""
         name = self.prefix + spec.name
         if not TOOL_NAME_RE.match(name):
-            warnings.warn(
-                f"MCP server {self.label}: tool {name!r} skipped (names must match {TOOL_NAME_RE.pattern})",
-                stacklevel=2,
-            )
+            log.warning(f"MCP server {self.label}: tool {name!r} skipped (names must match {TOOL_NAME_RE.pattern})")
             return None
 
         async def call(**arguments: Any) -> ToolResult:
@@ -190,7 +189,7 @@ class MCPServer:
             deadline = self.timeout + self.connect_timeout + 10  # + the cancelled call's courtesy notice
             return Tool(name, spec.description or "", schema, call, timeout=deadline)
         except Exception as exc:  # a schema jsonschema rejects
-            warnings.warn(f"MCP server {self.label}: tool {name!r} skipped: {_describe(exc)}", stacklevel=2)
+            log.warning(f"MCP server {self.label}: tool {name!r} skipped: {_describe(exc)}")
             return None
 
 

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import os
 import shutil
 import signal
@@ -38,12 +39,13 @@ import sys
 import tempfile
 import time
 import uuid
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
 import psutil
+
+log = logging.getLogger(__name__)
 
 Isolation = Literal["bwrap", "none"]
 NOBODY = 65534  # the uid and gid the code sees inside the sandbox
@@ -388,4 +390,4 @@ def bwrap_problem() -> str | None:
 
 @functools.cache
 def _warn_once(message: str) -> None:
-    warnings.warn(message, stacklevel=3)
+    log.warning(message)

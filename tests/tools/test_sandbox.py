@@ -6,6 +6,7 @@ skipped with the reason, and the resource-limit tests still run (they hold with 
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -227,10 +228,12 @@ def test_without_bwrap_the_process_limit_leaves_the_trainers_own_threads_out(mon
     assert sandbox_mod.process_limit(32, "bwrap") == 32  # a user namespace of its own counts only the sandbox
 
 
-def test_a_machine_that_cannot_cap_processes_is_warned_about(monkeypatch):
+def test_a_machine_that_cannot_cap_processes_is_warned_about(monkeypatch, caplog):
     monkeypatch.setattr(sandbox_mod, "process_limit_problem", lambda: "running as root without a pids cgroup")
-    with pytest.warns(UserWarning, match="without a process limit: running as root without a pids cgroup"):
+    sandbox_mod._warn_once.cache_clear()  # said once per process: this test must see it
+    with caplog.at_level(logging.WARNING, logger="agent_r1"):
         PythonSandbox(isolation="none")
+    assert "without a process limit: running as root without a pids cgroup" in caplog.text
 
 
 PROBE = """

@@ -48,15 +48,17 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import platform
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 STALE_LOCK_S = 600  # a build takes ~30 s: a lock this old was left by a build that was killed
@@ -110,7 +112,7 @@ def _build(march: str = "native") -> Callable | None:
         lock = build / "lock"  # a build killed midway leaves torch's lock, and every later load would wait on it
         if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
             lock.unlink(missing_ok=True)
-        print("agent-r1: compiling the CPU decode-attention kernel for this machine (once, ~30 s)", file=sys.stderr)
+        log.info("compiling the CPU decode-attention kernel for this machine (once, about half a minute)")
     try:
         cpp_extension.load(
             name,
@@ -121,8 +123,6 @@ def _build(march: str = "native") -> Callable | None:
         )
     except Exception as exc:  # no compiler, no ninja, no OpenMP: SDPA does the same work, slower
         reason = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__
-        warnings.warn(
-            f"agent-r1's CPU decode-attention kernel did not build ({reason}); decode runs on SDPA", stacklevel=2
-        )
+        log.warning("agent-r1's CPU decode-attention kernel did not build (%s); decode runs on SDPA", reason)
         return None
     return torch.ops.agent_r1.decode_attention

@@ -61,10 +61,10 @@ import atexit
 import contextlib
 import contextvars
 import functools
+import logging
 import random
 import threading
 import time
-import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -94,6 +94,8 @@ from agent_r1.types import Image
 from agent_r1.utils.malloc import engine_heap
 from agent_r1.utils.openmp import release_openmp_workers
 
+log = logging.getLogger(__name__)
+
 RowHook = Callable[[int, int, float], bool]  # (index of the prompt, token id, log-prob) -> keep decoding it
 BLOCK = 16  # parked tokens are indexed every BLOCK tokens (shorter matches are not looked up)
 COLUMN_STEP = 256  # slot capacity grows in steps of this many tokens
@@ -114,10 +116,9 @@ def kv_budget(kv_cache_gb: float, device: torch.device) -> int:
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else free_host_memory()
     most = int(KV_MEMORY_SHARE * free)
     if want > most:
-        warnings.warn(
+        log.warning(
             f"kv_cache_gb={kv_cache_gb:g} is more than half the {device.type} memory free now "
-            f"({free / 2**30:.1f} GiB): the engine keeps at most {most / 2**30:.1f} GiB of keys and values",
-            stacklevel=3,
+            f"({free / 2**30:.1f} GiB): the engine keeps at most {most / 2**30:.1f} GiB of keys and values"
         )
     return min(want, most)
 

@@ -1,6 +1,7 @@
 import asyncio
 import copy
 import dataclasses
+import logging
 import math
 import os
 import signal
@@ -8,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -480,25 +480,30 @@ def test_greedy_turns_equal_a_fresh_engine_under_a_tiny_memory_budget(tiny_model
     assert small.stats["reused"] > 0 and len(small._parked) < 6  # some kept, some evicted
 
 
-def test_a_kv_budget_the_machine_cannot_hold_is_capped_with_a_warning(tiny_model, tokenizer, monkeypatch):
+def test_a_kv_budget_the_machine_cannot_hold_is_capped_with_a_warning(tiny_model, tokenizer, monkeypatch, caplog):
     """The cache grows lazily, so kv_cache_gb=4 on a laptop with 3 GB free used to surface as the OS killing
     the process mid-eval. The engine now takes at most half the memory free when it starts, and says so."""
     prompt = tokenizer.encode(SYSTEM + "Hi")
     expected = greedy_alone(tiny_model, tokenizer, prompt, 4).token_ids
     free = 3 * 2**30
     monkeypatch.setattr(local_engine, "free_host_memory", lambda: free)
-    with pytest.warns(UserWarning, match=r"^kv_cache_gb=4 is more than half the cpu memory free now \(3.0 GiB\): "
-                      r"the engine keeps at most 1.5 GiB of keys and values$"):  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="agent_r1"):
         capped = LocalEngine(tiny_model, tokenizer, kv_cache_gb=4)
+    assert [r.getMessage() for r in caplog.records] == [
+        "kv_cache_gb=4 is more than half the cpu memory free now (3.0 GiB): the engine keeps at most 1.5 GiB of "
+        "keys and values"
+    ]
     assert capped.kv_cache_bytes == free // 2
     assert gen(capped, [prompt], max_new_tokens=4, temperature=0.0)[0].token_ids == expected
     free = 10 * 2**30
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a budget that fits is taken as given, silently
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="agent_r1"):
         assert LocalEngine(tiny_model, tokenizer, kv_cache_gb=4).kv_cache_bytes == 4 * 2**30
+    assert not caplog.records  # a budget that fits is taken as given, silently
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (6 * 2**30, 80 * 2**30))  # (free, total)
-    with pytest.warns(UserWarning, match=r"half the cuda memory free now \(6.0 GiB\)"):
+    with caplog.at_level(logging.WARNING, logger="agent_r1"):
         assert local_engine.kv_budget(4, torch.device("cuda", 0)) == 3 * 2**30  # on a GPU, its free memory
+    assert "half the cuda memory free now (6.0 GiB)" in caplog.text
 
 
 def test_free_host_memory_is_the_smaller_of_the_machines_and_the_cgroups(tmp_path, monkeypatch):
