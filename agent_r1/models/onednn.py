@@ -1,19 +1,18 @@
 """Run a model's fp32 linear layers through oneDNN on x86 CPUs, forward and backward.
 
 Why: PyTorch's CPU matmul calls MKL's sgemm, and MKL takes its AVX2 code path on CPUs that are not
-Intel's. On this project's AMD EPYC (AVX-512), MKL reaches ~210 GFLOP/s at 1024 rows; oneDNN, which
-ships inside PyTorch and dispatches on the CPU's actual features, reaches ~440. At the 16-row batches
-of decoding the gap is the same: 71 against 150 GFLOP/s (benchmarks/kernels.py, docs/log/measurements.md).
-Linear layers are about 75% of both a decode step and a training step, so this halves most of the time of an
-RL step.
+Intel's. On this project's AMD EPYC (AVX-512), oneDNN, which ships inside PyTorch and dispatches on the
+CPU's actual features, is much faster than MKL, for large matmuls and for the few-row batches of decoding
+alike (figures: benchmarks/kernels.py, docs/log/measurements.md). Linear layers take most of the time of
+both a decode step and a training step, so most of an RL step runs at oneDNN's speed instead of MKL's.
 
-The switch is a class swap: each `nn.Linear` becomes a `OneDNNLinear`, a subclass whose forward
-calls `torch.ops.mkldnn._linear_pointwise` (the op `torch.compile`'s CPU backend emits for linear
-layers) and whose backward computes both gradients with the same op on transposed views. Weights,
-state dicts, peft wrapping and `deepcopy` are unchanged. The results differ from MKL's only by fp32
-rounding (relative ~1e-6); the rollout and the trainer use the same kernels, and the log-prob
-consistency test (docs/architecture.md, "Log-probs and the consistency check") guards the difference.
-Set `AGENT_R1_ONEDNN=0` to keep MKL.
+The switch is a class swap: each `nn.Linear` becomes a `OneDNNLinear`, a subclass whose forward calls
+`torch.ops.mkldnn._linear_pointwise` (the op `torch.compile`'s CPU backend emits for linear layers) and
+whose backward computes both gradients with the same op on transposed views. Weights, state dicts, peft
+wrapping and `deepcopy` are unchanged. The results differ from MKL's only by fp32 rounding (figures:
+docs/log/measurements.md); the rollout and the trainer use the same kernels, and the log-prob consistency
+test (docs/architecture.md, "Log-probs and the consistency check") guards the difference. Set
+`AGENT_R1_ONEDNN=0` to keep MKL.
 """
 
 from __future__ import annotations

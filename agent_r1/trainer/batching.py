@@ -1,17 +1,17 @@
 """Group training rows into micro-batches under a token budget, computing shared prefixes once.
 
-Agent rows repeat a long prefix: system prompt, tool schemas, few-shot examples, and within a GRPO
-group the whole question. A micro-batch whose rows share a prefix of C tokens runs as one sequence:
-the prefix once, then every row's suffix, with a 4D attention mask that lets a suffix token see the
-prefix and the earlier tokens of its own row (`_prefix_once_forward`). The gradient is exact: every
-suffix's attention reads the one prefix pass. On the calculator task this removes about 70% of the
-training tokens (docs/log/measurements.md). An earlier version ran the prefix with a KV cache copied to every
-row and the suffixes right-padded to the longest: on the demo's micro-batches 40% of the suffix
-positions were padding; on one of its micro-batches the one sequence holds a third less for backward
-and runs faster (CPU SDPA's flash kernel takes the mask and holds only its output and log-sum-exp;
-docs/log/measurements.md). The one sequence also works where a cache cannot carry the prefix: with
-activation checkpointing (transformers drops the cache inside checkpointed layers) and under FSDP2
-(a layer's gathered weights are freed after each forward call).
+Agent rows repeat a long prefix: system prompt, tool schemas, few-shot examples, and within a GRPO group
+the whole question. A micro-batch whose rows share a prefix of C tokens runs as one sequence: the prefix
+once, then every row's suffix, with a 4D attention mask that lets a suffix token see the prefix and the
+earlier tokens of its own row (`_prefix_once_forward`). The gradient is exact: every suffix's attention
+reads the one prefix pass. On the calculator task this removes most of the training tokens (figures:
+docs/log/measurements.md). An earlier version ran the prefix with a KV cache copied to every row and the
+suffixes right-padded to the longest: on the demo's micro-batches a large share of the suffix positions
+were padding; against it the one sequence holds less for backward and runs faster (CPU SDPA's flash
+kernel takes the mask and holds only its output and log-sum-exp; figures: docs/log/measurements.md). The
+one sequence also works where a cache cannot carry the prefix: with activation checkpointing
+(transformers drops the cache inside checkpointed layers) and under FSDP2 (a layer's gathered weights are
+freed after each forward call).
 
 Rows without a worthwhile shared prefix are packed instead: concatenated into one sequence whose
 position ids restart at 0 at every row, which transformers turns into a block-diagonal causal mask

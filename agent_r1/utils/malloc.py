@@ -1,19 +1,19 @@
 """Keep glibc from hoarding freed memory during long CPU runs.
 
-glibc serves blocks above its mmap threshold with mmap and returns them to the OS on free, but it
-raises that threshold to the size of every mmapped block freed (up to 32 MB). After the first large
-free, PyTorch's many 4-32 MB temporaries (activations, KV buffers, transposed copies) come from the
-heap instead, fragment it and are not given back: `make demo` peaked at 16.8 GB RSS. A fixed 4 MB
-threshold keeps them mmapped: the demo then peaks at ~10 GB. The price is more page faults; two RL
-steps showed no slowdown, whole demo runs maybe 5-10% (docs/log/measurements.md). The CLI calls this
-once at start-up; other allocators (musl, macOS) are left alone. `release_memory` hands back what a
-finished phase freed (the demo calls it between phases, the RL loop after its rollout, update and
-validation).
+glibc serves blocks above its mmap threshold with mmap and returns them to the OS on free, but it raises
+that threshold to the size of every mmapped block freed (up to 32 MB). After the first large free,
+PyTorch's many 4-32 MB temporaries (activations, KV buffers, transposed copies) come from the heap
+instead, fragment it and are not given back, so the RSS grows well above what the run needs. A fixed 4 MB
+threshold keeps them mmapped, and `make demo` peaks much lower. The price is more page faults, which slow
+a run a little at most (figures: docs/log/measurements.md). The CLI calls this once at start-up; other
+allocators (musl, macOS) are left alone. `release_memory` hands back what a finished phase freed (the
+demo calls it between phases, the RL loop after its rollout, update and validation).
 
 The rollout engine is the exception (`engine_heap`): a decode step and a prompt chunk allocate and free
-the same 4-32 MB tensors every pass (a 2,048-token chunk's [2048, 1536] MLP states, 64 rows' logits),
-and as fresh mappings every page of each faults on its first write: 14 M page faults and 33 s of system
-time in a 128 s rollout (docs/log/measurements.md). While the engine runs, those stay in the heap.
+the same 4-32 MB tensors every pass (a 2,048-token chunk's [2048, 1536] MLP states, 64 rows' logits), and
+as fresh mappings every page of each faults on its first write: millions of page faults, and a large
+share of a rollout's time spent in the kernel (figures: docs/log/measurements.md). While the engine runs,
+those stay in the heap.
 """
 
 from __future__ import annotations

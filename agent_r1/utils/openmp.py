@@ -8,10 +8,10 @@ are oversubscribed: a worker that finishes a region spins ~100 times instead of 
 one, then sleeps on a futex (its "throttled spin count", libgomp's env.c and wait.h). A decode step is
 hundreds of short parallel regions, and each then waits for its workers to be woken.
 
-Measured on 2 cores (64 rows, 100-token prompts, 64 new tokens, docs/log/measurements.md): 10.3-11.8 s of
-decode while only the decode thread had a team, 13.3-15.5 s after one elementwise op on the main
-thread, back to 10.3-11.8 s after that thread released its team. The same happened after
-`benchmarks/decode.py` measured its matmul ceiling, and in every rollout that followed an update.
+Decode is markedly slower once a single elementwise op on the main thread has given that thread a team
+too, and back to its speed after that thread releases its team (figures: docs/log/measurements.md). The
+same happened after `benchmarks/decode.py` measured its matmul ceiling, and in every rollout that
+followed an update.
 
 The decode thread exits when the engine goes idle, so its team never slows the trainer. The threads
 that submit requests and then wait release theirs (`LocalEngine._submit`, `VLLMEngine.generate`), as

@@ -1,44 +1,45 @@
 """The CPU decode-attention kernel (`decode_attention.cpp`): built on first use, SDPA where it cannot be.
 
 At decode each row has one query a head, so attention is bound by reading the row's keys and values.
-PyTorch's SDPA runs that as a batch of tiny GEMMs (~10 GB/s of fp32 keys on two cores) and needs rows of
-one width per call, so the engine cut the rows into segments (`local_engine._row_runs`). The kernel
-takes every decoding row of a pass in one call, each reading exactly its own columns, and reads a kv
-head's keys once for all the query heads that share it: 2-2.7x SDPA's speed at 64 rows of 64-1,000
-columns with its portable loops, 3.2-5.7x with AVX-512 (`benchmarks/attention.py`, docs/log/measurements.md).
-It is the split of FlashDecoding (Dao et al. 2023) by sequence and head, the work vLLM's CPU
-paged-attention kernel does over pages.
+PyTorch's SDPA runs that as a batch of tiny GEMMs, which read the keys far below the machine's read
+speed, and needs rows of one width per call, so the engine cut the rows into segments
+(`local_engine._row_runs`). The kernel takes every decoding row of a pass in one call, each reading
+exactly its own columns, and reads a kv head's keys once for all the query heads that share it: several
+times SDPA's speed with its portable loops, and more with AVX-512 (figures: `benchmarks/attention.py`,
+docs/log/measurements.md). It is the split of FlashDecoding (Dao et al. 2023) by sequence and head, the
+work vLLM's CPU paged-attention kernel does over pages.
 
 A prompt chunk's tokens are rows of the same call, each reading its slot up to its own column (causal
 attention). The kernel finds them as runs of rows in one slot, one column apart, and takes them in tiles
 of 16 tokens whose queries fill a vector's lanes (an AVX-512 register; two AVX2 ones or four NEON ones in
-the portable loops): each key is read once for the tile and for the query heads that share it, not once
-a token. With AVX-512, 1.6-3.4x a row a token and 1.2-2.1x SDPA's flash kernel over a masked chunk (which
-on two cores reaches ~100 GFLOP/s with head_dim 64); an AVX2 build's portable tiles, 2-2.4x its rows
-and 0.8-1.4x SDPA's with torch on AVX2 too (docs/log/measurements.md). A lane's sums are its own, so a
-token's output does not depend on where its prompt was cut into chunks. The threads split the work by
-the columns it reads, so a chunk's long rows and the decoding rows' short ones are shared evenly.
+the portable loops): each key is read once for the tile and for the query heads that share it, not once a
+token. With AVX-512 that is faster than a row a token and than SDPA's flash kernel over a masked chunk;
+an AVX2 build's portable tiles are faster than its rows and about as fast as SDPA's with torch on AVX2
+too (figures: docs/log/measurements.md). A lane's sums are its own, so a token's output does not depend
+on where its prompt was cut into chunks. The threads split the work by the columns it reads, so a chunk's
+long rows and the decoding rows' short ones are shared evenly.
 
 It is compiled for this CPU (`-march=native`) with the system's C++ compiler through
 `torch.utils.cpp_extension` (ninja), once per machine, into torch's extension cache
-(`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`); ~30 s the first time. The build's name
-carries a digest of the source and of the CPU's flags, so a home directory shared by unlike machines
-never loads a build made for another CPU. Where it cannot be built (no compiler, no OpenMP), or for a
-dtype or device it does not cover (fp32 queries over fp32 or bf16 keys and values, on the CPU), `kernel_for`
-says None and the engine runs SDPA per segment as before: the same results to rounding, slower.
+(`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`); the first use waits for the build. The
+build's name carries a digest of the source and of the CPU's flags, so a home directory shared by unlike
+machines never loads a build made for another CPU. Where it cannot be built (no compiler, no OpenMP), or
+for a dtype or device it does not cover (fp32 queries over fp32 or bf16 keys and values, on the CPU),
+`kernel_for` says None and the engine runs SDPA per segment as before: the same results to rounding,
+slower.
 
 Keys and values stored in bf16 (`LocalEngine(kv_cache_dtype=torch.bfloat16)`, `agent-r1 serve
 kv_cache_dtype=bf16`) are widened to fp32 as they are read: a shift of each 16-bit value, in registers.
 
-With head_dim 64 or 128, a decoding row's intrinsics sum a register's worth of keys' scores at a time
-(16 on a CPU with AVX-512, 8 on one with AVX2 and FMA: most laptops) and keep the weighted sum of the values
-in registers. With AVX-512: ~1.35x the portable loops over fp32 and ~1.5x over bf16 at 416 columns read
-from memory, at 70-100% of the machine's read speed over fp32 and 55-80% over bf16. An AVX2 build
-(`benchmarks/attention.py --march x86-64-v3`): ~1.2x its portable loops over fp32 and ~1.4x over bf16,
-at 73-89% of the read speed over fp32 (both paths keep the reads of the key and value 32 positions on in flight;
-docs/log/measurements.md). Every other CPU or shape, and an AVX2 build's prompt tiles, run the portable loops,
-which the compiler vectorizes; `torch.ops.agent_r1.decode_attention_portable` runs them on any CPU, so
-the tests cover both, and an AVX2 build is tested beside this CPU's.
+With head_dim 64 or 128, a decoding row's intrinsics sum a register's worth of keys' scores at a time (16
+on a CPU with AVX-512, 8 on one with AVX2 and FMA: most laptops) and keep the weighted sum of the values
+in registers. Both the AVX-512 path and an AVX2 build's (`benchmarks/attention.py --march x86-64-v3`) are
+faster than their portable loops, more so over bf16 than over fp32, and read keys and values from memory
+close to the machine's read speed over fp32, somewhat below it over bf16: both keep the reads of the key
+and value 32 positions on in flight (figures: docs/log/measurements.md). Every other CPU or shape, and an
+AVX2 build's prompt tiles, run the portable loops, which the compiler vectorizes;
+`torch.ops.agent_r1.decode_attention_portable` runs them on any CPU, so the tests cover both, and an AVX2
+build is tested beside this CPU's.
 
 The same library holds `rope_store`: a layer's rotary embedding and its keys' and values' writes to their
 slots in one op, for `kv_cache.FusedSlotAttention`.

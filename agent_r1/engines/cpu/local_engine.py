@@ -35,8 +35,8 @@ Rollouts are reproducible bit for bit, which continuous batching does not give b
 logits differ in their last bits with the batch it shares (oneDNN's matmuls depend on the row count,
 SDPA on the key width), and which rows share a step would depend on when tool calls return. So the
 agent loop makes its trajectories a `cohort`: before it admits new sequences, the engine waits until
-every trajectory it answered has sent its next turn or ended (tool calls take milliseconds, a decode
-step ~100 ms), and admits them in the order of their seeds. The batches are then a function of the
+every trajectory it answered has sent its next turn or ended (a tool call is short beside a decode
+step), and admits them in the order of their seeds. The batches are then a function of the
 seeds alone, as a resumed run needs. Requests outside a cohort (serving) are admitted as they come.
 
 A vision-language model's prompts come with their images (`generate(..., images=)`): a prefill embeds
