@@ -24,7 +24,7 @@ from rich.table import Table
 
 from agent_r1.engines import EngineKind, EngineSpec, VLLMConfig, load_for_engine, make_engine
 from agent_r1.engines.protocol import Engine, GenerateOutput, SamplingParams
-from agent_r1.env.base import StepResult
+from agent_r1.env.base import Env, StepResult
 from agent_r1.env.prompt_format import PromptFormat, prompt_format_for
 from agent_r1.env.tool_calls import CALL_OPEN, extract_answer
 from agent_r1.env.tool_env import ToolEnv
@@ -201,7 +201,7 @@ class _StreamingEngine:
         return self.engine.cohort(size)
 
 
-class _WatchedEnv:
+class _WatchedEnv(Env):
     """A `ToolEnv` that reports each step, so the terminal shows tool calls and results as they happen."""
 
     def __init__(self, env: ToolEnv, on_step: StepCallback | None) -> None:

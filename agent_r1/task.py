@@ -6,7 +6,7 @@ object (`task=my_pkg.my_task:TASK`):
     Options                                   a dataclass of the task's options, each with a docstring;
                                               set as `task.KEY=VALUE` (unknown keys are errors)
     tasks(options, split, n, seed)            the first `n` tasks (dicts) of split "train" | "val" | "test"
-    make_env(options, prompt_format, max_turns)   a fresh env for one episode; the reward lives in it
+    make_env(options, prompt_format, max_turns)   a fresh env (env.base.Env) for one episode; the reward lives in it
     demos(options, env, n, seed)              optional: SFT demonstrations (chat messages, see trainer/sft.py)
     KIND_KEY                                  optional: the task field that names a kind of problem, for
                                               a per-kind accuracy in eval (the calculator's "ops")

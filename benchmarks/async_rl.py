@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from agent_r1.config import load_config
-from agent_r1.env.base import StepResult
+from agent_r1.env.base import Env, StepResult
 from agent_r1.models import resolve_model_path
 from agent_r1.models.onednn import use_onednn
 from agent_r1.trainer.config import TrainConfig
@@ -39,10 +39,9 @@ def latency(rng: random.Random) -> float:
     return min(8.0, math.exp(rng.gauss(0.0, 0.9)))
 
 
-class SlowToolEnv:
+class SlowToolEnv(Env):
     """Two turns; each answer goes to a tool that takes `latency()` seconds; reward = share of ids < 32."""
 
-    stop = ()
     rng = random.Random(0)
 
     async def reset(self, task):

@@ -16,10 +16,10 @@ import time
 from transformers import AutoTokenizer
 
 from agent_r1.engines.protocol import GenerateOutput, SamplingParams, no_cohort
-from agent_r1.env.openenv import OpenEnvEnv, local_server, stop_local_servers
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.models import resolve_model_path
 from agent_r1.rollout.agent_loop import AgentEnvLoop
+from agent_r1.tasks.openenv import OpenEnvEnv, local_server, stop_local_servers
 
 
 class BinarySearch:

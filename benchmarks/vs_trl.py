@@ -34,7 +34,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from agent_r1.config import load_config
-from agent_r1.env.base import StepResult
+from agent_r1.env.base import Env, StepResult
 from agent_r1.models import load_model, resolve_model_path
 from agent_r1.models.onednn import use_onednn
 from agent_r1.rewards.numeric import numeric_match
@@ -52,10 +52,8 @@ def prompt_messages(question: str, prefix: list[dict[str, str]]) -> list[dict[st
     return [*prefix, {"role": "user", "content": question}]
 
 
-class SingleTurnEnv:
+class SingleTurnEnv(Env):
     """One user question, one answer, reward = numeric match; no tool calls, no stop strings."""
-
-    stop: tuple[str, ...] = ()
 
     def __init__(self, tokenizer: Any, prefix: list[dict[str, str]]) -> None:
         self.tokenizer = tokenizer

@@ -44,6 +44,8 @@ import asyncio
 import os
 from dataclasses import dataclass
 
+from agent_r1.env.base import Env
+
 
 @dataclass
 class Options:
@@ -54,8 +56,7 @@ def tasks(options, split, n, seed=0):
     return [{"question": f"q{i}", "answer": i} for i in range(n)]
 
 
-class Down:
-    stop = ()
+class Down(Env):
 
     async def reset(self, task):
         if str(task["answer"]) in os.environ.get("BROKEN_TASK_STALL", "").split(","):
@@ -82,6 +83,7 @@ def test_eval_reports_errors_and_warns_when_they_dominate(tmp_path, tiny_model_d
 LONG_TASK = '''"""A task whose first prompt alone is longer than a small model's context (tau2's telecom on SmolLM2)."""
 from dataclasses import dataclass
 
+from agent_r1.env.base import Env
 from agent_r1.types import Observation
 
 
@@ -94,8 +96,7 @@ def tasks(options, split, n, seed=0):
     return [{"question": f"q{i}", "answer": i} for i in range(n)]
 
 
-class Long:
-    stop = ()
+class Long(Env):
 
     async def reset(self, task):
         return Observation(token_ids=[5] * 100_000)

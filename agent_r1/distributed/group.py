@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -133,6 +134,70 @@ def contiguous_shards(items: Sequence[T], n: int) -> list[tuple[int, list[T]]]:
 
 
 SINGLE = Dist()  # a plain process: every collective is the identity
+
+
+class RankShards:
+    """Lockstep under torchrun: each rank rolls out its consecutive share of a step's cohort over its own
+    engine, and every rank gets the whole batch, in task order, with the seeds one loop would give it. The
+    gather runs on the producer's thread while the trainer waits in `take` (no other collective runs then)."""
+
+    def __init__(self, runner: Any, dist: Dist) -> None:
+        self.runner, self.dist, self.engine = runner, dist, runner.engine
+        self._gather_s = 0.0
+
+    async def run(self, make_env: Any, tasks: list, group_size: int, seed: int, first_index: int, cohort: bool) -> list:
+        start, mine = contiguous_shards(tasks, self.dist.world)[self.dist.rank]
+        mine = await self.runner.run(make_env, mine, group_size, seed, first_index + start * group_size, cohort)
+        t0 = time.perf_counter()
+        out = [t for part in self.dist.gather(mine) for t in part]
+        self._gather_s += time.perf_counter() - t0
+        return out
+
+    def sync_weights(self, model: torch.nn.Module, version: int, between_tokens: bool) -> dict[str, float]:
+        return self.runner.sync_weights(model, version, between_tokens)
+
+    def idle(self) -> None:
+        self.runner.idle()
+
+    def take_metrics(self) -> dict[str, float]:
+        out, self._gather_s = {"time/gather_trajectories": self._gather_s}, 0.0
+        return out | self.runner.take_metrics()
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+class RankZero:
+    """Asynchronous RL under torchrun: one producer, on rank 0, whose batches every rank takes (a stalled
+    producer stops every rank); only rank 0's engine rolls out and gets the weights."""
+
+    def __init__(self, producer: Any | None, dist: Dist) -> None:
+        self.producer, self.dist = producer, dist
+        self.engine = producer.engine if producer else None
+
+    def take(self) -> tuple[list, dict[str, float]]:
+        try:
+            out: Any = self.producer.take() if self.producer else None
+        except Exception as exc:  # RolloutStalled: raised on every rank
+            out = exc
+        out = self.dist.broadcast(out)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def publish(self, model: torch.nn.Module) -> dict[str, float]:
+        return self.producer.publish(model) if self.producer else {}
+
+    def switch(self, sampler: Any, make_env: Any) -> None:
+        if self.producer:
+            self.producer.switch(sampler, make_env)
+
+    def state(self) -> dict[str, Any]:
+        return self.producer.state() if self.producer else {}
+
+    def close(self) -> None:
+        if self.producer:
+            self.producer.close()
 
 
 def _collective_device() -> torch.device:

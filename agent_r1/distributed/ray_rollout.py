@@ -2,34 +2,32 @@
 
 `cluster.rollout_workers=N` starts N `RolloutWorker` actors (a local Ray, or the cluster at
 `cluster.address`). Each builds its own engine (`LocalEngine` over its own copy of the model, or
-`VLLMEngine`) and makes envs with the task's picklable `EnvFactory`. Per RL step the driver:
+`VLLMEngine`); the envs come with each rollout, as the task's picklable `EnvFactory` (put in the
+object store once per factory). `RayRollout` is the producer's `GroupRunner` (rollout/producer.py):
 
-1. cuts the step's tasks into N consecutive shards; worker k runs `AgentEnvLoop` over its shard with
-   the trajectory indices the in-process loop would give them (`first_index`), so per-request seeds
-   and therefore the trajectories are those of one loop over the whole batch;
-2. gathers the trajectories in task order; each worker also reports the weights version it sampled
-   under, and a shard sampled under an older version than the trainer's is detected and left out of
-   the update (its episodes count as errors, `ray/stale_episodes`);
-3. after the optimizer step, puts the new weights in Ray's object store once (`ray.put`) and has
-   every worker load them with the new version number (LocalEngine's and VLLMEngine's `load_weights`).
-
-Asynchronous RL (`rollout.max_staleness > 0`) uses the same workers differently: the producer
-(rollout/producer.py) sends one task group at a time (`run_group`) to the least busy worker, whose
-engine batches it with the other groups it is running, and after each update the workers load the new
-weights between two tokens (`load_weights(..., between_tokens=True)`): episodes in flight go on, each
-token keeping the version that sampled it. The workers are async actors for this, so a weight load
-and many groups run at once in one worker.
+1. lockstep (`rollout.max_staleness = 0`): a step's cohort is cut into N consecutive shards; worker k
+   runs `AgentEnvLoop` over its shard with the trajectory indices the in-process loop would give them
+   (`first_index`), so per-request seeds and therefore the trajectories are those of one loop over the
+   whole batch, gathered in task order;
+2. asynchronous RL: one task group at a time goes to the least busy worker, whose engine batches it
+   with the other groups it is running;
+3. after the optimizer step the new weights go into Ray's object store once (`ray.put`) and every
+   worker loads them with the new version number (between two tokens under asynchronous RL, so
+   episodes in flight go on). Every token keeps the version that sampled it, so the producer leaves
+   out a group sampled under weights older than it allows, whatever the reason.
 
 A worker that dies mid-rollout (a crashed env, a killed process, a lost node) is restarted by Ray
 (`max_restarts`), reloads the current weights and rolls its shard (or group) out again,
-`cluster.retries` times; after that its episodes count as errors and the run goes on. The search
-task's index can run as one more actor (`cluster.retrieval_actor`), so workers share one index
-instead of building one each.
+`cluster.retries` times; after that its episodes count as errors and the run goes on. A task that
+declares a shared service (hotpotqa: its search index, `service(options)` and `using_service(options,
+url)`) can run it as one more actor (`cluster.service_actor`), so workers share one instead of
+building one each.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -92,11 +90,9 @@ def connect_ray(address: str = "", num_cpus: int | None = None) -> Any:
 
 class RolloutWorker:
     """One Ray actor: an engine and the task's envs. An async actor: its calls run concurrently on one
-    event loop, so a lockstep shard, asynchronous RL's groups and a weight load can overlap (a lockstep
-    weight load waits for the running sequences, `between_tokens` does not)."""
+    event loop, so asynchronous RL's groups and a weight load between tokens overlap."""
 
-    def __init__(self, model: str | torch.nn.Module, tokenizer: Any, make_env: Any, spec: EngineSpec) -> None:
-        self.make_env = make_env
+    def __init__(self, model: str | torch.nn.Module, tokenizer: Any, spec: EngineSpec) -> None:
         if spec.kind == "local" and isinstance(model, str):
             from agent_r1.models.loading import load_model
 
@@ -108,26 +104,22 @@ class RolloutWorker:
         return await asyncio.to_thread(self.engine.load_weights, state, version, between_tokens=between_tokens)
 
     async def rollout(
-        self, tasks: list[dict[str, Any]], group_size: int, sampling: SamplingParams, seed: int, first_index: int
-    ) -> tuple[int, list[Trajectory]]:
-        """(the weights version sampled under, the trajectories of `tasks` x `group_size`)."""
-        version = self.engine.weights_version
-        loop = AgentEnvLoop(self.engine, self.make_env, sampling, seed=seed)
-        return version, await loop.run(tasks, group_size, first_index)
+        self, make_env: Any, tasks: list[dict[str, Any]], group_size: int, sampling: SamplingParams, seed: int,
+        first_index: int, cohort: bool,
+    ) -> list[Trajectory]:  # fmt: skip
+        """The trajectories of `tasks` x `group_size`, seeded as one loop over the batch from `first_index`."""
+        loop = AgentEnvLoop(self.engine, make_env, sampling, seed=seed)
+        return await loop.run(tasks, group_size, first_index, cohort=cohort)
 
-    async def rollout_group(
-        self, task: dict[str, Any], group_size: int, sampling: SamplingParams, seed: int, first_index: int
-    ) -> list[Trajectory]:
-        """One task group for asynchronous RL, batched with the others this worker runs (no cohort)."""
-        loop = AgentEnvLoop(self.engine, self.make_env, sampling, seed=seed)
-        return await loop.run([task], group_size, first_index, cohort=False)
+    def sleep(self) -> None:
+        self.engine.sleep()
 
     def pid(self) -> int:
         return os.getpid()
 
 
 class RayRollout:
-    """The driver's side: N `RolloutWorker` actors, task sharding, weight broadcast, failures."""
+    """The driver's side, a `GroupRunner`: N `RolloutWorker` actors, task sharding, weights, failures."""
 
     def __init__(
         self,
@@ -135,7 +127,6 @@ class RayRollout:
         rollout: Any,  # trainer.config.RolloutConfig
         model: str | torch.nn.Module,
         tokenizer: Any,
-        make_env: Any,
         seed: int,
         dtype: str,
     ) -> None:
@@ -145,29 +136,28 @@ class RayRollout:
         self.engine = None  # the engines are the workers' (GroupRunner.engine)
         self.retries = cluster.retries
         self.sampling = rollout.sampling()
-        self.seed = seed
         self.version = 0
         self._weights: Any = None  # the newest weights in Ray's object store (a restarted worker reloads them)
         self.metrics: dict[str, float] = {}
-        self._lock = threading.Lock()  # asynchronous RL counts failures in the producer's thread
-        self._load: list[int] = []  # groups running on each worker (asynchronous RL)
-        self._dead: set[int] = set()  # workers whose shard was given up on
-        self._retrieval = None
-        if cluster.retrieval_actor:
-            make_env = self._with_retrieval_actor(make_env)
+        self._lock = threading.Lock()  # counts come from the producer's thread
+        self._dead: set[int] = set()  # workers that missed a weight load
+        self._service = None if not cluster.service_actor else False  # started with the first env factory
+        self._envs: dict[int, tuple[Any, Any]] = {}  # id(make_env) -> (make_env, its object in the store)
         spec = rollout.engine_spec(seed, dtype)  # dtype: vLLM's, and a local worker's that loads the model
         actor = self.ray.remote(num_cpus=cluster.worker_cpus, num_gpus=cluster.worker_gpus, max_restarts=-1)(
             RolloutWorker
         )
         # the arguments go into the object store once (not once per actor), and this object keeps them
         # there: Ray restarts a dead worker from them (ray-project/ray#53727)
-        self._args = [self.ray.put(x) for x in (model, tokenizer, make_env, spec)]
+        self._args = [self.ray.put(x) for x in (model, tokenizer, spec)]
         self.actors = [actor.remote(*self._args) for _ in range(cluster.rollout_workers)]
-        self._load = [0] * len(self.actors)
+        self._load = [0] * len(self.actors)  # rollouts running on each worker
 
-    def sync_weights(self, model: torch.nn.Module) -> dict[str, float]:
-        """Every worker loads `model`'s weights as the next version; returns the bytes and seconds."""
-        return self.load_weights(full_state_dict(model), self.version + 1)
+    def sync_weights(self, model: torch.nn.Module, version: int | None = None, between_tokens: bool = False) -> dict:
+        """Every worker loads `model`'s weights as `version` (the next by default); returns the bytes and seconds."""
+        return self.load_weights(
+            full_state_dict(model), self.version + 1 if version is None else version, between_tokens
+        )
 
     def load_weights(
         self, state: Mapping[str, torch.Tensor], version: int, between_tokens: bool = False
@@ -188,78 +178,73 @@ class RayRollout:
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         return {"ray/weights_mb": nbytes / 2**20, "time/ray_weights": time.perf_counter() - t0}
 
-    async def run_group(self, task: dict[str, Any], group_size: int, first_index: int) -> list[Trajectory]:
-        """Asynchronous RL: one task group on the least busy worker. A worker that dies is revived (with
-        the current weights) and the group runs again, `cluster.retries` times; then its episodes are
-        errors, which the producer leaves out."""
+    async def run(
+        self, make_env: Any, tasks: list[dict[str, Any]], group_size: int, seed: int, first_index: int, cohort: bool
+    ) -> list[Trajectory]:
+        """A cohort (lockstep) cut into one consecutive shard per worker, each seeded as its place in the
+        whole batch; a single group (asynchronous RL) on the least busy worker, batched there with the
+        others it runs. Trajectories come back in task order."""
+        env = self._env_object(make_env)
+        if not cohort:
+            return await self._on_worker(None, env, tasks, group_size, seed, first_index, cohort)
+        shards = contiguous_shards(tasks, len(self.actors))
+        parts = await asyncio.gather(*(
+            self._on_worker(k, env, part, group_size, seed, first_index + start * group_size, cohort)
+            for k, (start, part) in enumerate(shards) if part
+        ))  # fmt: skip
+        out = [t for part in parts for t in part]
+        self._count("ray/trajectories_mb", len(pickle.dumps(out)) / 2**20)  # what came back over the wire
+        return out
+
+    async def _on_worker(
+        self, k: int | None, env: Any, tasks: list, group_size: int, seed: int, first: int, cohort: bool
+    ) -> list[Trajectory]:
+        """The rollout on worker `k` (None: the least busy). A worker that dies is revived (with the current
+        weights) and asked again, `cluster.retries` times; then its episodes are errors, which the producer
+        leaves out."""
         why = ""
         for attempt in range(self.retries + 1):
-            k = min(range(len(self.actors)), key=self._load.__getitem__)
-            self._load[k] += 1
+            w = min(range(len(self.actors)), key=self._load.__getitem__) if k is None else k
+            self._load[w] += 1
             try:
-                if k in self._dead:  # it missed a weight load: back, with the current weights, first
-                    self._dead.discard(k)
-                    await asyncio.to_thread(self._revive, self.actors[k])
-                call = self.actors[k].rollout_group.remote(task, group_size, self.sampling, self.seed, first_index)
-                return await call
+                if w in self._dead:  # it missed a weight load: back, with the current weights, first
+                    self._dead.discard(w)
+                    await asyncio.to_thread(self._revive, self.actors[w])
+                return await self.actors[w].rollout.remote(env, tasks, group_size, self.sampling, seed, first, cohort)
             except self.ray.exceptions.RayActorError as exc:
-                why = f"rollout worker {k} died: {str(exc).splitlines()[0][:200]}"
+                why = f"rollout worker {w} died: {str(exc).splitlines()[0][:200]}"
                 self._count("ray/restarts" if attempt == 0 else "ray/retries")
-                await asyncio.to_thread(self._revive, self.actors[k])
+                await asyncio.to_thread(self._revive, self.actors[w])
             finally:
-                self._load[k] -= 1
-        self._count("ray/lost_episodes", group_size)
-        return _errored([task], group_size, why)
+                self._load[w] -= 1
+        self._count("ray/lost_episodes", len(tasks) * group_size)
+        return _errored(tasks, group_size, why)
+
+    def _env_object(self, make_env: Any) -> Any:
+        """`make_env` in the object store, once per factory (a curriculum's next stage is a new one); with
+        `cluster.service_actor`, the task's service served by one actor that the workers' envs query."""
+        if id(make_env) not in self._envs:
+            shipped = make_env
+            if self._service is not None:
+                shipped = self._with_service(make_env)
+            self._envs[id(make_env)] = (make_env, self.ray.put(shipped))  # the factory is kept: its id stays its own
+        return self._envs[id(make_env)][1]
+
+    def idle(self) -> None:
+        """Lockstep: the workers' engines give their memory back for the update."""
+        for call in [a.sleep.remote() for a in self.actors]:
+            with contextlib.suppress(self.ray.exceptions.RayActorError):
+                self.ray.get(call)
 
     def take_metrics(self) -> dict[str, float]:
-        """The metrics since the last call (lockstep: the last `run`'s; asynchronous: the groups' failures)."""
+        """The counts since the last call: restarts, retries, lost episodes, what came back over the wire."""
         with self._lock:
-            out, self.metrics = self.metrics, {}
+            out, self.metrics = {"ray/restarts": 0.0, "ray/lost_episodes": 0.0} | self.metrics, {}
         return out
 
     def _count(self, key: str, n: float = 1) -> None:
         with self._lock:
             self.metrics[key] = self.metrics.get(key, 0.0) + n
-
-    def run(self, tasks: list[dict[str, Any]], group_size: int, seed: int) -> list[Trajectory]:
-        """The trajectories of `tasks` x `group_size`, in task order, as one AgentEnvLoop would give them."""
-        t0 = time.perf_counter()
-        while self._dead:  # workers that died last time: back, with the current weights, before they get work
-            self._revive(self.actors[self._dead.pop()])
-        shards = contiguous_shards(tasks, len(self.actors))
-        calls = [
-            a.rollout.remote(part, group_size, self.sampling, seed, start * group_size)
-            for a, (start, part) in zip(self.actors, shards, strict=True)
-        ]
-        self.metrics = {"ray/restarts": 0.0, "ray/stale_episodes": 0.0, "ray/lost_episodes": 0.0}
-        out: list[Trajectory] = []
-        for k, ((start, part), call) in enumerate(zip(shards, calls, strict=True)):
-            out += self._collect(k, call, part, group_size, seed, start * group_size)
-        self.metrics["time/ray_rollout"] = time.perf_counter() - t0
-        self.metrics["ray/trajectories_mb"] = len(pickle.dumps(out)) / 2**20  # what came back over the wire
-        return out
-
-    def _collect(self, k: int, call: Any, tasks: list, group_size: int, seed: int, first: int) -> list[Trajectory]:
-        """Worker k's trajectories; a dead worker is restarted (by Ray), given the weights, asked again."""
-        for attempt in range(self.retries + 1):
-            try:
-                if attempt:
-                    self._revive(self.actors[k])
-                    call = self.actors[k].rollout.remote(tasks, group_size, self.sampling, seed, first)
-                version, trajs = self.ray.get(call)
-                break
-            except self.ray.exceptions.RayActorError as exc:
-                self.metrics["ray/restarts"] += attempt == 0  # one death, however many tries it takes
-                why = str(exc).splitlines()[0][:200]
-        else:
-            self._dead.add(k)
-            self.metrics["ray/lost_episodes"] += len(tasks) * group_size
-            return _errored(tasks, group_size, f"rollout worker {k} died: {why}")
-        if version != self.version:
-            self.metrics["ray/stale_episodes"] += len(trajs)
-            why = f"sampled under weights version {version}, the trainer's is {self.version}"
-            return _errored(tasks, group_size, why)
-        return trajs
 
     def _revive(self, actor: Any, timeout_s: float = 600.0) -> None:
         """Wait for Ray to restart `actor` (it comes back with its starting weights) and load the current ones."""
@@ -278,43 +263,43 @@ class RayRollout:
         return self.ray.get([a.pid.remote() for a in self.actors])
 
     def close(self) -> None:
-        """The producer stopped: a worker's groups were cancelled with it; the workers stay for validation's
-        and the next run's weights until `shutdown`."""
+        """The producer stopped: a worker's groups were cancelled with it; the workers stay for the next
+        run's weights until `shutdown`."""
 
     def shutdown(self) -> None:
-        for a in self.actors + ([self._retrieval] if self._retrieval else []):
+        for a in self.actors + ([self._service] if self._service else []):
             self.ray.kill(a)
         self.actors = []
 
-    def _with_retrieval_actor(self, make_env: Any) -> Any:
-        """Serve the task's search index from one actor; the workers' envs query it over HTTP."""
-        if not hasattr(make_env, "options") or not hasattr(make_env.options, "retriever"):
-            raise ValueError("cluster.retrieval_actor needs a search task (one with a retriever option)")
-        self._retrieval = self.ray.remote(num_cpus=0)(RetrievalActor).remote(make_env.task, make_env.options)
-        url = self.ray.get(self._retrieval.url.remote())
-        return dataclasses.replace(make_env, options=dataclasses.replace(make_env.options, retriever=url))
+    def _with_service(self, make_env: Any) -> Any:
+        """The task's shared service in one actor; the factory's options point its envs at it."""
+        from agent_r1.task import load_task
+
+        module = load_task(make_env.task) if hasattr(make_env, "task") else None
+        if not hasattr(module, "service"):
+            raise ValueError("cluster.service_actor needs a task that declares a service (service, using_service)")
+        if not self._service:
+            self._service = self.ray.remote(num_cpus=0)(ServiceActor).remote(make_env.task, make_env.options)
+        url = self.ray.get(self._service.url.remote())
+        return dataclasses.replace(make_env, options=module.using_service(make_env.options, url))
 
 
-class RetrievalActor:
-    """The task's search index behind `agent-r1 retrieval-server`'s HTTP API, as a Ray actor."""
+class ServiceActor:
+    """A task's shared service (an ASGI app from its `service(options)`) served over HTTP, as a Ray actor."""
 
     def __init__(self, task: str, options: Any) -> None:
-        import threading
-
         import ray
         import uvicorn
 
-        from agent_r1.retrieval.server import create_app
         from agent_r1.task import load_task
 
-        retriever = load_task(task).retriever(options)
+        app = load_task(task).service(options)
         self.host = ray.util.get_node_ip_address()
         sock = socket.socket()
         sock.bind((self.host, 0))
         self.port = sock.getsockname()[1]
         sock.close()
-        config = uvicorn.Config(create_app(retriever, options.retriever), host=self.host, port=self.port)
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port))
         threading.Thread(target=self.server.run, daemon=True).start()
         while not self.server.started:
             time.sleep(0.05)

@@ -85,8 +85,9 @@ class Engine(Protocol):
         `leave()`ing at its end): an engine that can batch them independently of timing does (LocalEngine)."""
         ...
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Sample from `model`'s current weights (the trainer calls it after each update)."""
+    def sync_weights(self, model: torch.nn.Module, version: int | None = None, between_tokens: bool = False) -> None:
+        """Sample from `model`'s current weights (LoRA merged) as `version`, as `load_weights` does (the
+        trainer calls it after each update); an engine over `model` itself has nothing to copy."""
         ...
 
     def load_weights(

@@ -140,10 +140,10 @@ class RemoteEngine:
                 "another client changed them, so this rollout would mix two policies"
             )
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
+    def sync_weights(self, model: torch.nn.Module, version: int | None = None, between_tokens: bool = False) -> None:
         """Have the server sample from `model`'s current weights (once per RL step, after the update),
         LoRA merged, under the plain model's names, as the next version."""
-        self.load_weights(full_state_dict(model))
+        self.load_weights(full_state_dict(model), version, between_tokens)
 
     def load_weights(
         self, state: Mapping[str, torch.Tensor], version: int | None = None, between_tokens: bool = False

@@ -395,9 +395,9 @@ class VLLMEngine:
 
     # --- weights and memory ------------------------------------------------------------------------
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
+    def sync_weights(self, model: torch.nn.Module, version: int | None = None, between_tokens: bool = False) -> None:
         """Make vLLM sample from `model`'s weights (LoRA merged)."""
-        self.load_weights(full_state_dict(model))
+        self.load_weights(full_state_dict(model), version, between_tokens)
 
     def load_weights(
         self, state: Mapping[str, torch.Tensor], version: int | None = None, between_tokens: bool = False

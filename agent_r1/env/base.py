@@ -6,7 +6,7 @@ common case), rewrite it, or start afresh. The agent loop never assumes the cont
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from agent_r1.types import Action, Observation, Termination
 
@@ -22,21 +22,29 @@ class StepResult(NamedTuple):
     info: dict[str, Any]
 
 
-class Env(Protocol):
-    """What the agent loop needs from an environment. One instance runs one episode at a time."""
+class Env:
+    """What the agent loop needs from an environment: subclass it and write `reset` and `step`; the
+    optional features have their defaults here, so the loop uses them without probing. One instance
+    runs one episode at a time.
 
-    stop: tuple[str, ...]  # extra stop strings for sampling (e.g. "</tool_call>")
+    Per-step options: `info["termination"]` when done, `info["metrics"]` ({name: number}, summed over the
+    episode and logged as batch means), `info["choice"]` (which of `samples` the episode went on from);
+    GiGPO's step groups read `Observation.state` (default: a digest of the prompt)."""
+
+    stop: tuple[str, ...] = ()  # extra stop strings for sampling (e.g. "</tool_call>")
+    samples: int = 1  # responses sampled at each step (each its own seed); the env picks one (info["choice"])
 
     async def reset(self, task: dict[str, Any]) -> Observation:
         """Start an episode for `task`; return the first observation."""
-        ...
+        raise NotImplementedError
 
     async def step(self, action: Action) -> StepResult:
         """Apply the policy's action; return the next observation, reward, done and info."""
-        ...
+        raise NotImplementedError
 
-    # Optional: `async def close(self) -> None`, called once the episode ends however it ends, to free
-    # per-episode resources (processes, directories). The loop calls it when the env has it.
+    async def close(self) -> None:
+        """Free per-episode resources (processes, directories); called once the episode ends, however it
+        ends."""
 
 
 __all__ = ["Env", "StepResult", "Termination"]

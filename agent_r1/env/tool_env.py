@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
-from agent_r1.env.base import StepResult
+from agent_r1.env.base import Env, StepResult
 from agent_r1.env.context import ContextConfig, ContextOverflow, ManagedContext, note_tool
 from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.env.tool_calls import (
@@ -49,7 +49,7 @@ Rewrite = Callable[[list[Message]], list[Message]]  # full message history -> th
 Potential = Callable[[dict[str, Any], list[dict[str, Any]]], float]
 
 
-class ToolEnv:
+class ToolEnv(Env):
     """Tool calling over any prompt format, in the model family's syntax; one instance per episode."""
 
     def __init__(

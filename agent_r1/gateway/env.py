@@ -36,7 +36,7 @@ from typing import Any
 from agent_r1.api import bodies
 from agent_r1.api.messages import chat_result, check_unicode, forced_call, template_messages, tool_schemas
 from agent_r1.api.schema import APIError, ChatMessage
-from agent_r1.env.base import StepResult
+from agent_r1.env.base import Env, StepResult
 from agent_r1.env.prompt_format import PromptFormat, prompt_format_for
 from agent_r1.env.tool_calls import ParseError
 from agent_r1.gateway.server import Call, Gateway, Mailbox, gateway
@@ -87,7 +87,7 @@ class _Exit:
     error: str = ""
 
 
-class ProgramEnv:
+class ProgramEnv(Env):
     """An agent program as an env, one instance per episode (the `Env` protocol of agent_r1/env/base.py)."""
 
     def __init__(

@@ -98,6 +98,8 @@ class AgentEnvLoop:
         env = None
         try:
             env = self.make_env()  # inside: a server that cannot (re)start ends this episode, not the group
+            if not isinstance(env, Env):
+                raise TypeError(f"{type(env).__name__} is not an agent_r1.env.base.Env: subclass it")
             obs: Observation | None = await env.reset(traj.task)
             traj.termination = Termination.MAX_TURNS
             for turn in itertools.count() if self.max_steps is None else range(self.max_steps):
@@ -106,7 +108,7 @@ class AgentEnvLoop:
                     traj.termination = Termination.CONTEXT_OVERFLOW
                     break
                 params = self._params(env, index, turn)
-                n = getattr(env, "samples", 1)  # samples of this step (each its own seed: the engine's seed + k)
+                n = env.samples  # samples of this step (each its own seed: the engine's seed + k)
                 if images:  # only engines that read images are asked to
                     outs = await self.engine.generate([prompt] * n, params, images=[images] * n)
                 else:
@@ -140,9 +142,9 @@ class AgentEnvLoop:
         finally:
             if cohort is not None:
                 cohort.leave()
-            if (close := getattr(env, "close", None)) is not None:
+            if env is not None and isinstance(env, Env):
                 with contextlib.suppress(Exception):
-                    await close()
+                    await env.close()
         try:
             traj.metrics = trajectory_metrics(traj)
         except Exception as exc:  # an env's info that is not numbers (a reward part "n/a"): the episode errors
@@ -153,7 +155,7 @@ class AgentEnvLoop:
 
     def _params(self, env: Env, index: int, turn: int) -> SamplingParams:
         """The loop's sampling params + the env's stop strings + a per-(trajectory, turn) seed."""
-        stop = tuple(dict.fromkeys(self.sampling.stop + tuple(getattr(env, "stop", ()))))
+        stop = tuple(dict.fromkeys(self.sampling.stop + tuple(env.stop)))
         seed = None if self.seed is None else (self.seed * 1_000_003 + index) * 1_009 + turn
         return dataclasses.replace(self.sampling, stop=stop, seed=seed)
 

@@ -1,27 +1,30 @@
-"""Asynchronous RL's rollout side: a continuous, versioned producer of trajectory groups.
+"""The one path from rollouts to the trainer: a versioned producer of trajectory groups.
 
-With `rollout.max_staleness = k > 0` the trainer no longer waits for a step's slowest episode, and the
-engine no longer waits for the update: `AsyncRollout` runs the agent loop in a thread of its own, one
-task group at a time, and puts each finished group into a buffer that the trainer takes from.
+`Producer` runs the agent loop in a thread of its own and puts each finished task group into a buffer
+that the trainer `take`s a step's batch from; after each update the trainer `publish`es the new weights.
+Every mode is this one loop, set by `rollout.max_staleness = k`:
 
-- **Bounded staleness** (AReaL's `max_head_offpolicyness`, Fu et al. 2025, arXiv 2505.24298): a
-  group starts only while the groups started (less those dropped) stay under (v + k + 1) x
-  `tasks_per_step`, v being the trainer's policy version (RL steps done). The producer can run at
-  most k steps ahead. A group whose oldest token is more than k versions old when the trainer
-  takes it (a straggler that finished late) is dropped and counted, never trained.
-- **Partial rollouts**: after each update the weights go into the engine at the next token boundary
-  (`LocalEngine.load_weights(..., between_tokens=True)`); episodes in flight go on with the new
-  weights, and every token keeps the log-prob and the version it was sampled with. A trajectory can
-  therefore span versions: the trainer corrects for that per token (decoupled PPO, docs/algorithms.md).
-- **Seeds by task position**: group n is the n-th task of the sampler's order and its trajectories
-  are seeded from n, so a resumed run re-runs exactly the groups it had not trained (`state`).
-- **Where groups run**: `EngineGroups` runs them in this process over any engine that loads weights
-  between tokens (`LocalEngine`, `VLLMEngine`, `RemoteEngine`); `RayRollout` (distributed/ray_rollout.py)
-  runs each on one of its Ray workers. Both have `run_group` and `load_weights`; the producer needs
-  nothing else. Under torchrun the producer lives on rank 0, which broadcasts what it takes.
+- **k = 0, lockstep**: a step's groups start when the trainer asks for them and run as one cohort with
+  the step's seed, so the engine batches them independently of timing and a run is reproducible bit
+  for bit; the engine sleeps (gives its memory to the update) once they are in.
+- **k > 0, asynchronous** (AReaL's `max_head_offpolicyness`, Fu et al. 2025, arXiv 2505.24298): groups
+  run one at a time, seeded by their task position, and start while the groups started (less those left
+  out) stay under (v + k + 1) x `tasks_per_step`, v being the trainer's policy version (RL steps done).
+  The producer runs at most k steps ahead; after each update the weights go into the engine at the next
+  token boundary (partial rollouts) and every token keeps the version that sampled it, which the trainer
+  corrects for per token (decoupled PPO, docs/algorithms.md).
 
-`rollout.max_staleness = 0` never gets here: the trainer rolls out each step's tasks itself, in
-lockstep, exactly as before.
+`take` filters the stream the same way at every k: a group older than k versions (a straggler), one whose
+every episode errored (no evidence about the policy) or one of a curriculum stage already left is left
+out and counted, and its place goes to a new group; with dynamic sampling (DAPO, Yu et al. 2025,
+arXiv:2503.14476) so is a group whose samples all got the same return, while the step has looked at fewer
+than `max_draws` x `tasks_per_step` groups. Groups left out `STALL_GROUPS` steps' worth in a row (a broken
+engine or environment) stop the run with `RolloutStalled`.
+
+Where groups run is the runner's business (`GroupRunner`): `EngineGroups` over an engine in this process,
+`RankShards` over the ranks of torchrun (distributed/group.py), `RayRollout` over Ray workers
+(distributed/ray_rollout.py). A checkpoint keeps `state()`: the next task position and the positions
+started but not trained, which a resumed producer rolls out first, with the same seeds.
 """
 
 from __future__ import annotations
@@ -29,29 +32,50 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import torch
 
 from agent_r1.data.sampler import TaskSampler
 from agent_r1.engines.protocol import Engine, SamplingParams
 from agent_r1.env.base import Env
 from agent_r1.rollout.agent_loop import AgentEnvLoop, fail
 from agent_r1.types import Termination, Trajectory
+from agent_r1.utils.malloc import release_memory
 from agent_r1.utils.openmp import release_openmp_workers
+
+STALL_GROUPS = 4  # steps' worth of groups in a row left out (all errored, or too stale): the run stops
+
+
+class RolloutStalled(RuntimeError):
+    """The producer cannot fill the buffer (it died, or every episode errors): the run stops cleanly."""
 
 
 class GroupRunner(Protocol):
-    """Where the producer's groups run: this process's engine (`EngineGroups`) or Ray workers."""
+    """Where the producer's groups run."""
 
     engine: Engine | None  # this process's engine; None when the groups run elsewhere (Ray workers)
 
-    async def run_group(self, task: dict[str, Any], group_size: int, first_index: int) -> list[Trajectory]:
-        """The task's `group_size` trajectories, seeded by their indices from `first_index`."""
+    async def run(
+        self, make_env: Callable[[], Env], tasks: list[dict[str, Any]], group_size: int, seed: int,
+        first_index: int, cohort: bool,
+    ) -> list[Trajectory]:  # fmt: skip
+        """The tasks' `group_size` trajectories each, in task order, seeded as one `AgentEnvLoop(seed=seed)`
+        from `first_index` would; `cohort`: batched together independently of timing where the engine can."""
         ...
 
-    def load_weights(self, state: Mapping[str, Any], version: int, between_tokens: bool = False) -> Any:
-        """The engine(s) sample from `state` as `version` (episodes in flight go on, with `between_tokens`)."""
+    def sync_weights(self, model: torch.nn.Module, version: int, between_tokens: bool) -> dict[str, float]:
+        """The engine(s) sample from `model`'s weights as `version`; returns what the transfer cost."""
+        ...
+
+    def idle(self) -> None:
+        """No rollout runs until the next step's: the engine(s) may give their memory back."""
+        ...
+
+    def take_metrics(self) -> dict[str, float]:
+        """What the runner counted since the last call (Ray's restarts, the ranks' gather time)."""
         ...
 
     def close(self) -> None:
@@ -60,28 +84,31 @@ class GroupRunner(Protocol):
 
 
 class EngineGroups:
-    """Groups rolled out over one engine in this process, with the task's envs."""
+    """Groups rolled out over one engine in this process."""
 
-    def __init__(self, engine: Any, make_env: Callable[[], Env], sampling: SamplingParams, seed: int) -> None:
-        self.engine = engine
-        self.loop = AgentEnvLoop(engine, make_env, sampling, seed=seed)
+    def __init__(self, engine: Engine, sampling: SamplingParams) -> None:
+        self.engine, self.sampling = engine, sampling
 
-    async def run_group(self, task: dict[str, Any], group_size: int, first_index: int) -> list[Trajectory]:
+    async def run(
+        self, make_env: Callable[[], Env], tasks: list[dict[str, Any]], group_size: int, seed: int,
+        first_index: int, cohort: bool,
+    ) -> list[Trajectory]:  # fmt: skip
         # cohort=False: a LocalEngine batches this group with whatever else is running, not with itself alone
-        return await self.loop.run([task], group_size, first_index=first_index, cohort=False)
+        loop = AgentEnvLoop(self.engine, make_env, self.sampling, seed=seed)
+        return await loop.run(tasks, group_size, first_index, cohort=cohort)
 
-    def load_weights(self, state: Mapping[str, Any], version: int, between_tokens: bool = False) -> Any:
-        return self.engine.load_weights(state, version=version, between_tokens=between_tokens)
+    def sync_weights(self, model: torch.nn.Module, version: int, between_tokens: bool) -> dict[str, float]:
+        self.engine.sync_weights(model, version, between_tokens)
+        return {}
+
+    def idle(self) -> None:
+        self.engine.sleep()  # its KV memory goes to the update (on a GPU, vLLM's until the next sync wakes it)
+
+    def take_metrics(self) -> dict[str, float]:
+        return {}
 
     def close(self) -> None:
         self.engine.wait_idle()  # no forward pass goes on after the producer has stopped
-
-
-STALL_GROUPS = 4  # steps' worth of groups in a row left out (all errored, or too stale): the run stops
-
-
-class RolloutStalled(RuntimeError):
-    """The producer cannot fill the buffer (it died, or every episode errors): the run stops cleanly."""
 
 
 @dataclass
@@ -91,6 +118,7 @@ class Group:
     position: int  # the task's position in the sampler's order (its seeds follow from it)
     trajs: list[Trajectory]
     started: int  # the policy version when it started
+    stage: int = 0  # the curriculum stage it was drawn in
 
 
 def oldest_version(group: Group) -> int:
@@ -99,29 +127,47 @@ def oldest_version(group: Group) -> int:
     return min(versions, default=group.started)
 
 
-class AsyncRollout:
-    """Runs episodes continuously in its own thread; the trainer `take`s groups and `publish`es weights."""
+def has_signal(value: Callable[[Trajectory], float]) -> Callable[[list[Trajectory]], bool]:
+    """Dynamic sampling's test: whether a group's samples got different returns (`value`: the outcome plus
+    the process rewards that the estimators add to it), so that it has a group-relative advantage."""
+
+    def differ(trajs: list[Trajectory]) -> bool:
+        return len({round(value(t), 6) for t in trajs if t.steps and t.termination != Termination.ERROR}) > 1
+
+    return differ
+
+
+class Producer:
+    """Runs episodes in its own thread; the trainer `take`s a step's groups and `publish`es its weights."""
 
     def __init__(
         self,
         runner: GroupRunner,
         sampler: TaskSampler,
+        make_env: Callable[[], Env],
         *,
         tasks_per_step: int,
         group_size: int,
-        max_staleness: int,
+        max_staleness: int = 0,
+        seed: int = 0,
         version: int = 0,
         pending: Iterable[int] = (),
+        signal: Callable[[list[Trajectory]], bool] | None = None,
+        max_draws: int = 1,
     ) -> None:
-        """`runner`'s engines must already sample from the trainer's weights as `version` (RL steps done)."""
-        self.runner = runner
-        self.sampler = sampler
+        """`runner`'s engines must already sample from the trainer's weights as `version` (RL steps done).
+        `signal`: dynamic sampling's test of a group (`has_signal`), over `max_draws` steps' worth at most."""
+        self.runner, self.sampler, self.make_env = runner, sampler, make_env
         self.tasks_per_step, self.group_size, self.max_staleness = tasks_per_step, group_size, max_staleness
+        self.seed, self.signal, self.max_draws = seed, signal, max_draws
         self.version = version  # the trainer's policy version: RL steps whose update the engine has
+        self._stage = 0  # curriculum stages switched to
+        self._round = 0  # lockstep: cohorts started in this step (a replacement's seed differs)
+        self._asked = False  # lockstep: the trainer waits for this step's groups
         self._redo = collections.deque(sorted(pending))  # positions a resumed run must still roll out
         self._started = version * tasks_per_step  # groups started (a resumed run's trained ones count)
         self._dropped = 0  # groups dropped as too stale
-        self._discarded = 0  # groups left out (too stale, or every episode errored): their places are free again
+        self._discarded = 0  # groups left out: their places are free again
         self._unusable_in_a_row = 0
         self._in_flight: set[int] = set()  # positions started and not yet taken by the trainer
         self._ready: collections.deque[Group] = collections.deque()
@@ -136,35 +182,55 @@ class AsyncRollout:
     # --- the trainer's side ---------------------------------------------------------------------
 
     def take(self) -> tuple[list[Trajectory], dict[str, float]]:
-        """The next `tasks_per_step` groups at most `max_staleness` versions old, in the order they
-        finished (blocking until they are there), and the metrics of how stale they were. Groups too
-        stale, and groups whose every episode errored (no evidence about the policy), are left out and
-        counted; their places go to new groups."""
+        """The step's `tasks_per_step` groups (in the order they finished; blocking until they are there)
+        and the metrics of what was left out and how stale the rest is (module docstring)."""
+        release_memory()  # the update's freed heap goes back to the OS before the rollout allocates
+        with self._cond:
+            self._asked = True
+        self._notify_producer()
         groups: list[Group] = []
-        dropped = errored = 0
+        left_out: collections.Counter[str] = collections.Counter()
         while len(groups) < self.tasks_per_step:
             group = self._next_ready()
-            if all(t.termination == Termination.ERROR for t in group.trajs):
-                errored += 1
-                why = f"their episodes all errored (the last: {group.trajs[0].error})"
-            elif self.version - oldest_version(group) > self.max_staleness:
-                dropped += 1
-                why = f"they were more than {self.max_staleness} versions old (is the engine getting the weights?)"
-            else:
-                self._unusable_in_a_row = 0
+            why = self._unusable(group)
+            looked = len(groups) + sum(left_out.values())
+            if why is None and self.signal and looked < self.max_draws * self.tasks_per_step:
+                why = None if self.signal(group.trajs) else ("no_signal", "")
+            if why is None:
                 groups.append(group)
+                self._unusable_in_a_row = 0
                 continue
-            self._unusable_in_a_row += 1
+            left_out[why[0]] += 1
+            if why[0] != "no_signal":
+                self._unusable_in_a_row += 1
             if self._unusable_in_a_row >= STALL_GROUPS * self.tasks_per_step:
                 raise RolloutStalled(
-                    f"the last {self._unusable_in_a_row} groups were left out: {why}; stopping, the "
+                    f"the last {self._unusable_in_a_row} groups were left out: {why[1]}; stopping, the "
                     "checkpoints on disk are intact"
                 )
             with self._cond:
                 self._discarded += 1
             self._notify_producer()  # its place goes to a new group
-        self._dropped += dropped
-        return [t for g in groups for t in g.trajs], self._metrics(groups, dropped, errored)
+        with self._cond:
+            self._asked = False
+        if not self.max_staleness:
+            self.runner.idle()  # lockstep: nothing rolls out during the update
+        release_memory()  # the rollout's freed blocks go back to the OS, not to a heap the update fragments
+        self._dropped += left_out["stale"]
+        return [t for g in groups for t in g.trajs], self._metrics(groups, left_out)
+
+    def _unusable(self, group: Group) -> tuple[str, str] | None:
+        """Why `group` cannot be trained on (a key and a reason), or None."""
+        if group.stage != self._stage:
+            return "old_stage", "they were drawn before the curriculum moved on"
+        if all(t.termination == Termination.ERROR for t in group.trajs):
+            return "errored", f"their episodes all errored (the last: {group.trajs[0].error})"
+        if self.version - oldest_version(group) > self.max_staleness:
+            return (
+                "stale",
+                f"they were more than {self.max_staleness} versions old (is the engine getting the weights?)",
+            )
+        return None
 
     def _next_ready(self) -> Group:
         with self._cond:
@@ -176,14 +242,31 @@ class AsyncRollout:
                 raise RolloutStalled(f"the rollout producer stopped{why}")
             group = self._ready.popleft()
             self._in_flight.discard(group.position)
-            return group
+        if not self._in_flight:  # lockstep: a replacement cohort may start once the last one is taken
+            self._notify_producer()
+        return group
 
-    def publish(self, weights: Callable[[], dict[str, Any]]) -> None:
-        """The update of step `version + 1` is done: its weights go into the engine at the next token
-        boundary (in-flight episodes continue on them), then the producer may start that step's groups."""
+    @property
+    def engine(self) -> Engine | None:
+        """The engine the groups run on in this process (None: elsewhere), for its counts."""
+        return self.runner.engine
+
+    def publish(self, model: torch.nn.Module) -> dict[str, float]:
+        """The update of step `version + 1` is done: the engine samples from `model`'s weights (with k > 0
+        at the next token boundary, episodes in flight going on with them), then the producer may start
+        that step's groups. Returns what the transfer cost."""
         self.version += 1
-        self.runner.load_weights(weights(), self.version, between_tokens=True)
+        self._round = 0
+        transfer = self.runner.sync_weights(model, self.version, between_tokens=self.max_staleness > 0)
         self._notify_producer()
+        return transfer
+
+    def switch(self, sampler: TaskSampler, make_env: Callable[[], Env]) -> None:
+        """A curriculum's next stage: new groups draw from `sampler` with `make_env`; the old stage's
+        groups still running are left out when they arrive."""
+        with self._cond:
+            self.sampler, self.make_env, self._stage = sampler, make_env, self._stage + 1
+            self._redo.clear()
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint needs to resume without losing or repeating a group: the next position, and
@@ -215,21 +298,28 @@ class AsyncRollout:
         self._aloop, self._wake = asyncio.get_running_loop(), asyncio.Event()
         running: set[asyncio.Task] = set()
         while not self._stop:
-            while self._may_start():
-                position = self._next_position()
-                task = asyncio.create_task(self._group(position, self.version))
-                running.add(task)
-                task.add_done_callback(running.discard)
+            while n := self._may_start():
+                if self.max_staleness:  # one group at a time, seeded by its position
+                    position = self._next_position()
+                    task = self._groups([position], self.seed, position * self.group_size, cohort=False)
+                else:  # the step's groups (or their replacements) as one cohort, seeded by the step
+                    task = self._cohort([self._next_position() for _ in range(n)])
+                running.add(started := asyncio.create_task(task))
+                started.add_done_callback(running.discard)
             self._wake.clear()
             await self._wake.wait()
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
 
-    def _may_start(self) -> bool:
-        """AReaL's bound: no more groups in flight or waiting than k + 1 steps' worth."""
-        limit = (self.version + self.max_staleness + 1) * self.tasks_per_step
-        return not self._stop and self._started - self._discarded < limit
+    def _may_start(self) -> int:
+        """How many groups may start now. AReaL's bound: no more groups in flight or waiting than k + 1
+        steps' worth; in lockstep only once the trainer asks and the last cohort has been taken."""
+        with self._cond:
+            free = (self.version + self.max_staleness + 1) * self.tasks_per_step - (self._started - self._discarded)
+            if self._stop or free <= 0 or (not self.max_staleness and (not self._asked or self._in_flight)):
+                return 0
+            return free
 
     def _next_position(self) -> int:
         with self._cond:
@@ -242,38 +332,56 @@ class AsyncRollout:
             self._in_flight.add(position)
         return position
 
-    async def _group(self, position: int, version: int) -> None:
-        """Roll out one group and hand it to the trainer, errored if anything raised (a Ray error, a task that
-        cannot be read): a group that never came back would leave its place taken and the trainer waiting."""
+    def _cohort(self, positions: list[int]) -> Coroutine[Any, Any, None]:
+        """Lockstep's seeds: the step's own, and for a replacement cohort (dynamic sampling, errored
+        groups) one derived from the round, with sample indices counted from 0 within the cohort."""
+        seed = self.seed * 1_000_003 + self.version
+        seed = seed if self._round == 0 else (seed * 1_000_003 + self._round) % 2**62
+        self._round += 1
+        return self._groups(positions, seed, 0, cohort=True)
+
+    async def _groups(self, positions: list[int], seed: int, first_index: int, cohort: bool) -> None:
+        """Roll out the groups and hand them to the trainer, errored if anything raised (a Ray error, a task
+        that cannot be read): a group that never came back would leave its place taken and the trainer waiting."""
+        version, stage, make_env, sampler, g = self.version, self._stage, self.make_env, self.sampler, self.group_size
         try:
-            task = self.sampler.at(position)
-            trajs = await self.runner.run_group(task, self.group_size, position * self.group_size)
+            tasks = [sampler.at(p) for p in positions]
+            trajs = await self.runner.run(make_env, tasks, g, seed, first_index, cohort)
         except Exception as exc:
-            group = f"p{position}"
-            trajs = [Trajectory(task={}, traj_id=f"{group}-{g}", group_id=group) for g in range(self.group_size)]
+            trajs = [Trajectory(task={}, traj_id=f"p{p}-{i}", group_id=f"p{p}") for p in positions for i in range(g)]
             for traj in trajs:
                 fail(traj, exc)
         with self._cond:
-            self._ready.append(Group(position, trajs, version))
+            for j, position in enumerate(positions):
+                self._ready.append(Group(position, trajs[j * g : (j + 1) * g], version, stage))
             self._cond.notify_all()
 
     def _notify_producer(self) -> None:
         if self._aloop is not None and self._wake is not None:
             self._aloop.call_soon_threadsafe(self._wake.set)
 
-    def _metrics(self, groups: list[Group], dropped: int, errored: int) -> dict[str, float]:
-        """How stale the batch is (per token: the trainer's version less the one that sampled it), how
-        many groups were left out, and how many episodes span versions."""
+    def _metrics(self, groups: list[Group], left_out: collections.Counter[str]) -> dict[str, float]:
+        """What was left out; with k > 0 how stale the batch is (per token: the trainer's version less the
+        one that sampled it) and how many episodes span versions."""
+        out = {"rollout/errored_groups": float(left_out["errored"])}
+        if self.signal:
+            looked = len(groups) + sum(left_out.values())
+            out |= {"dynamic_sampling/groups_drawn": float(looked), "dynamic_sampling/groups_kept": float(
+                sum(self.signal(g.trajs) for g in groups))}  # fmt: skip
+        if left_out["old_stage"]:
+            out["curriculum/left_out_groups"] = float(left_out["old_stage"])
+        if not self.max_staleness:
+            return out | self.runner.take_metrics()
         lags = [self.version - v for g in groups for t in g.trajs for s in t.steps for v in (s.response_versions or ())]
         spans = [len({v for s in t.steps for v in (s.response_versions or ())}) > 1 for g in groups for t in g.trajs]
         group_lags = collections.Counter(self.version - oldest_version(g) for g in groups)
-        out = {
+        out |= {
             "async/version_lag_mean": sum(lags) / max(1, len(lags)),
             "async/version_lag_max": float(max(lags, default=0)),
-            "async/dropped_groups": float(dropped),
+            "async/dropped_groups": float(left_out["stale"]),
             "async/dropped_groups_total": float(self._dropped),
-            "async/errored_groups": float(errored),
             "async/episodes_spanning_versions": sum(spans) / max(1, len(spans)),
             "async/buffered_groups": float(len(self._ready)),
         }
-        return out | {f"async/staleness={lag}": n / len(groups) for lag, n in sorted(group_lags.items())}
+        out |= {f"async/staleness={lag}": n / len(groups) for lag, n in sorted(group_lags.items())}
+        return out | self.runner.take_metrics()

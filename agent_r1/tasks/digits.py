@@ -27,13 +27,14 @@ from typing import Any
 
 from agent_r1.data.digits import draw, overview, picture
 from agent_r1.data.splits import Split
+from agent_r1.env.base import Env, StepResult
 from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.env.tool_calls import format_tool_call, format_tool_responses
 from agent_r1.env.tool_env import ToolEnv
 from agent_r1.models.vision import png_data_url
 from agent_r1.tasks import calculator as arithmetic
 from agent_r1.tools import Tool, ToolResult, calculator, tool
-from agent_r1.types import Message
+from agent_r1.types import Action, Message, Observation
 
 
 @dataclass
@@ -92,18 +93,26 @@ def zoom_tool(shown: dict[str, Any]) -> Tool:
     return zoom
 
 
-class DigitsEnv:
+class DigitsEnv(Env):
     """A ToolEnv whose zoom tool shows the episode's own picture: `reset` hands the task's picture to
     the tool, everything else is the ToolEnv's."""
 
     def __init__(self, env: ToolEnv, shown: dict[str, Any]) -> None:
         self.env, self.shown = env, shown
 
-    async def reset(self, task: dict[str, Any]):
+        self.stop = env.stop
+
+    async def reset(self, task: dict[str, Any]) -> Observation:
         self.shown["picture"] = task["picture"]
         return await self.env.reset(task)
 
-    def __getattr__(self, name: str) -> Any:  # step, close, stop, format, prompt_prefix, tools, ...
+    async def step(self, action: Action) -> StepResult:
+        return await self.env.step(action)
+
+    async def close(self) -> None:
+        await self.env.close()
+
+    def __getattr__(self, name: str) -> Any:  # format, prompt_prefix, tools, ...
         return getattr(self.env, name)
 
 

@@ -13,6 +13,7 @@ The search index is built (or loaded from its disk cache) lazily, the first time
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from collections.abc import Sequence
@@ -176,6 +177,19 @@ def tasks(options: Options, split: Split, n: int, seed: int = 0) -> list[dict[st
 def retriever(options: Options) -> Retriever:
     """The index the search tool uses (one per process, cached)."""
     return retriever_for(options.retriever, extra=[options.data] if options.data else [])
+
+
+def service(options: Options) -> Any:
+    """What Ray's rollout workers share instead of building one each (`cluster.service_actor`): the
+    search index, behind `agent-r1 retrieval-server`'s HTTP API."""
+    from agent_r1.retrieval.server import create_app
+
+    return create_app(retriever(options), options.retriever)
+
+
+def using_service(options: Options, url: str) -> Options:
+    """The options of envs that query the shared index at `url`."""
+    return dataclasses.replace(options, retriever=url)
 
 
 @functools.cache

@@ -38,12 +38,12 @@ class RolloutConfig:
     be; rollout then runs continuously beside the update, with partial rollouts. 0 = lockstep (each
     step rolls out on the current weights, then updates); docs/training.md, Asynchronous RL"""
     dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: a group whose samples all got the same outcome reward (no group-relative
-    signal) is dropped and more tasks are drawn until the step has tasks_per_step groups that differ
-    (lockstep; counted as dynamic_sampling/*; docs/training.md)"""
+    """DAPO's dynamic sampling: a group whose samples all got the same return (no group-relative signal)
+    is left out and another task drawn in its place, at any max_staleness (counted as dynamic_sampling/*;
+    docs/training.md)"""
     max_draws: int = 4
-    """rollout.dynamic_sampling: rounds of drawing per step at most; a step still short trains on the
-    groups it has"""
+    """rollout.dynamic_sampling: groups looked at per step at most, in steps' worth (max_draws x
+    tasks_per_step); past it the step takes the groups as they come"""
     max_batch_size: int = 64
     """rows the engine decodes together"""
     kv_cache_gb: float = 4.0
@@ -195,8 +195,9 @@ class ClusterConfig:
     retries: int = 1
     """a worker that dies is restarted, and its tasks are rolled out again this many times before
     they count as errored episodes"""
-    retrieval_actor: bool = False
-    """the search task's index runs as one more Ray actor that every worker queries over HTTP"""
+    service_actor: bool = False
+    """the task's shared service (hotpotqa: its search index) runs as one more Ray actor that every
+    worker's envs query over HTTP, for tasks that declare one (service(options), using_service)"""
 
 
 @dataclass
@@ -288,15 +289,6 @@ class TrainConfig:
             (self.cluster.retries >= 0, f"cluster.retries must be >= 0, got {self.cluster.retries}"),
             (r.max_staleness >= 0, f"rollout.max_staleness must be >= 0, got {r.max_staleness}"),
             (r.max_draws >= 1, f"rollout.max_draws must be >= 1, got {r.max_draws}"),
-            (
-                not self.curriculum.option or not (r.max_staleness or self.cluster.rollout_workers),
-                "curriculum changes the task between lockstep steps on this process's engine: it needs "
-                "rollout.max_staleness=0 and cluster.rollout_workers=0",
-            ),
-            (
-                not (r.dynamic_sampling and r.max_staleness),
-                "rollout.dynamic_sampling draws more tasks within a lockstep step: it needs rollout.max_staleness=0",
-            ),
             (
                 not r.max_staleness or a.old_logprobs != "rollout",
                 "rollout.max_staleness > 0 samples with older policies: algo.old_logprobs must be auto or "

@@ -18,7 +18,7 @@ from agent_r1.models.precision import model_device
 from agent_r1.trainer.batching import Row, pack, token_logprobs
 from agent_r1.trainer.config import TrainConfig
 from agent_r1.trainer.critic import Critic, value_mask
-from agent_r1.utils.malloc import trim_heap
+from agent_r1.utils.malloc import release_memory, trim_heap
 
 
 def policy_update(
@@ -42,6 +42,7 @@ def policy_update(
     skipped = train_tokens = updates = 0
     if not rows:
         return {"train_tokens": 0, "skipped_nonfinite": 0, "updates": 0}
+    release_memory()  # what the reference pass freed (its weights, with reference_on_disk) goes back first
     policy.train()
     device = model_device(policy)
     norm_len = float(cfg.rollout.max_new_tokens)  # Dr.GRPO's constant: a "sequence" is one step's response

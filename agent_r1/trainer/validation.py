@@ -22,6 +22,7 @@ from agent_r1.evaluate import evaluate
 from agent_r1.observe.records import step_path, trajectory_records, write_records
 from agent_r1.trainer.checkpoint import export_policy
 from agent_r1.trainer.config import TrainConfig
+from agent_r1.utils.malloc import release_memory
 
 BEST_FILE = "best.json"
 
@@ -45,12 +46,16 @@ class Validator:
         info: dict[str, Any],
         console: Console,
         kind_key: str | None = None,
+        own_engine: bool = False,
     ) -> None:
+        """`own_engine`: the engine validates only (the rollout has one of its own): it takes the policy's
+        weights before each validation and gives its memory back after it."""
         self.tasks, self.make_env, self.engine = tasks, make_env, engine
         self.policy, self.tokenizer, self.console = policy, tokenizer, console
         self.sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
         self.metric, self.out, self.records, self.info, self.kind_key = metric, out, records, info, kind_key
         self.best: dict[str, float] = {"step": -1, metric: -math.inf}
+        self.own_engine = own_engine
 
     def restore(self, checkpoint_best: dict[str, float] | None) -> None:
         """After a resume: the best so far is what policy/ holds (its best.json, written with it), else
@@ -63,7 +68,12 @@ class Validator:
     def __call__(self, step: int) -> dict[str, float]:
         """Validate the current policy (after `step` RL steps); export it if it is the best so far."""
         self.policy.eval()
+        release_memory()  # the update's freed heap (0.4 GB in the demo) before the validation's keys
+        if self.own_engine:  # over the policy itself: it drops the keys computed with older weights
+            self.engine.sync_weights(self.policy, step)
         metrics, trajs = evaluate(self.engine, self.make_env, self.tasks, self.sampling, 1, 0, self.kind_key)
+        if self.own_engine:
+            self.engine.sleep()  # its memory goes to the update (the rollout's engine keeps its keys)
         if self.records is not None:
             write_records(step_path(self.records, step), trajectory_records(trajs, self.tokenizer, step=step))
         m = self.metric
@@ -88,7 +98,15 @@ class Validator:
 
 
 def make_validator(
-    cfg: TrainConfig, engine: Engine, make_env, policy, tokenizer, chat: bool, info: dict[str, Any], console: Console
+    cfg: TrainConfig,
+    engine: Engine,
+    make_env,
+    policy,
+    tokenizer,
+    chat: bool,
+    info: dict[str, Any],
+    console: Console,
+    own_engine: bool = False,
 ) -> Validator | None:
     """Validation on the task's val split (its options changed by `val.task`), or None when off; the
     env is `make_env` when the trainer was given one, else the task's own."""
@@ -102,5 +120,5 @@ def make_validator(
         engine, policy, tokenizer, metric=v.metric, max_new_tokens=cfg.rollout.max_new_tokens,
         out=Path(cfg.run_dir) / "policy" if v.keep_best else None,
         records=Path(cfg.run_dir) / "val" if cfg.log.trajectories_every else None,  # agent-r1 view RUN_DIR/val
-        info=info, console=console, kind_key=spec.kind_key,
+        info=info, console=console, kind_key=spec.kind_key, own_engine=own_engine,
     )  # fmt: skip

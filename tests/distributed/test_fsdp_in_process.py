@@ -79,7 +79,7 @@ def test_the_weight_sync_gathers_one_tensor_at_a_time_into_the_unsharded_copy(gl
 def test_under_torchrun_the_unsharded_copy_is_on_the_cpu_when_vllm_samples(overrides, on_cpu):
     from agent_r1.config import load_config
     from agent_r1.trainer.config import TrainConfig
-    from agent_r1.trainer.rl import _unsharded_copy
+    from agent_r1.trainer.setup import _unsharded_copy
     from tests.models.test_precision import no_tensor_deepcopy
 
     cfg = load_config(TrainConfig, None, overrides)

@@ -32,9 +32,20 @@ def local_ray():
 
 def workers(model, tokenizer, make_env=LowIdEnv, temperature: float = 1.0, **cluster) -> RayRollout:
     rollout = RolloutConfig(temperature=temperature, max_new_tokens=6)
-    out = RayRollout(ClusterConfig(rollout_workers=2, **cluster), rollout, model, tokenizer, make_env, 0, "fp32")
+    out = RayRollout(ClusterConfig(rollout_workers=2, **cluster), rollout, model, tokenizer, 0, "fp32")
     out.sync_weights(model)
+    out.test_env = make_env
     return out
+
+
+def lockstep(pool: RayRollout, tasks, group_size: int, seed: int, make_env=None):
+    """A lockstep cohort over the workers, as the producer asks for one."""
+    return asyncio.run(pool.run(make_env or pool.test_env, tasks, group_size, seed, 0, cohort=True))
+
+
+def one_group(pool: RayRollout, task, group_size: int, first_index: int):
+    """An asynchronous producer's group, on the least busy worker."""
+    return pool.run(pool.test_env, [task], group_size, 0, first_index, cohort=False)
 
 
 def in_process(model, tokenizer, tasks, seed, temperature: float = 1.0, make_env=LowIdEnv):
@@ -54,7 +65,7 @@ def test_two_workers_give_the_in_process_loops_trajectories(local_ray, tokenizer
     model, tasks = tiny_model(seed=0), TASKS[:5]  # 5 tasks: shards of 3 and 2
     pool = workers(model, tokenizer, temperature=temperature)
     try:
-        got = pool.run(tasks, 2, seed=11)
+        got = lockstep(pool, tasks, 2, seed=11)
     finally:
         pool.shutdown()
     want = in_process(model, tokenizer, tasks, 11, temperature)
@@ -65,21 +76,20 @@ def test_two_workers_give_the_in_process_loops_trajectories(local_ray, tokenizer
             assert s.response_logprobs == pytest.approx(r.response_logprobs, abs=1e-4)
 
 
-def test_weights_reach_every_worker_with_a_version_and_a_stale_shard_is_detected(local_ray, tokenizer):
+def test_weights_reach_every_worker_with_a_version_that_every_token_carries(local_ray, tokenizer):
+    """The version is what lets the producer leave out a group sampled under weights it no longer allows
+    (tests/rollout/test_producer.py), whatever kept a worker from the last load."""
     model, other = tiny_model(seed=0), tiny_model(seed=1)
     pool = workers(model, tokenizer)
     try:
-        transfer = pool.sync_weights(other)  # version 2
+        transfer = pool.sync_weights(other, 7)
         size = sum(t.numel() * 4 for t in other.state_dict().values())  # tied weights under both names
         assert transfer["ray/weights_mb"] == pytest.approx(size / 2**20)
-        assert episodes(pool.run(TASKS[:4], 2, seed=3)) == episodes(in_process(other, tokenizer, TASKS[:4], 3))
-        pool.version += 1  # the trainer moved on without the workers
-        stale = pool.run(TASKS[:4], 2, seed=3)
+        got = lockstep(pool, TASKS[:4], 2, seed=3)
     finally:
         pool.shutdown()
-    assert all(t.termination == Termination.ERROR and not t.steps for t in stale)
-    assert "sampled under weights version 2, the trainer's is 3" in stale[0].error
-    assert pool.metrics["ray/stale_episodes"] == 8
+    assert episodes(got) == episodes(in_process(other, tokenizer, TASKS[:4], 3))
+    assert {v for t in got for s in t.steps for v in s.response_versions} == {7}
 
 
 class SignallingEnv(LowIdEnv):
@@ -125,17 +135,17 @@ def test_a_worker_killed_mid_rollout_is_retried_or_counted_as_errors(local_ray, 
     try:
         pool.sync_weights(other)  # a restarted worker must come back with these, not its starting weights
         killer = _kill_when(flag, pool.worker_pids()[1])
-        got = pool.run(tasks, 2, seed=7)
+        got = lockstep(pool, tasks, 2, seed=7)
         killer.join()
         assert pool.metrics["ray/restarts"] == 1
         if retries:  # rolled out again, on the current weights: nothing lost
             assert episodes(got) == episodes(in_process(other, tokenizer, tasks, 7, make_env=LowIdEnv)), got[-1].error
-            assert pool.metrics["ray/lost_episodes"] == 0
+            assert pool.metrics.get("ray/lost_episodes", 0) == 0
         else:  # worker 1's shard (tasks 2 and 3) is lost, worker 0's is whole
             assert [t.termination == Termination.ERROR for t in got] == [False] * 4 + [True] * 4
             assert got[-1].error.startswith("rollout worker 1 died")
             assert pool.metrics["ray/lost_episodes"] == 4
-        after = pool.run(tasks, 2, seed=7)  # and the pool goes on
+        after = lockstep(pool, tasks, 2, seed=7)  # and the pool goes on
         assert not any(t.termination == Termination.ERROR for t in after)
     finally:
         pool.shutdown()
@@ -163,7 +173,7 @@ def test_training_with_ray_workers_is_the_in_process_run(local_ray, tmp_path, to
 
 
 def test_the_search_index_runs_as_a_ray_actor_that_the_workers_query(local_ray, tokenizer):
-    """cluster.retrieval_actor: one actor builds the hotpotqa BM25 index and serves it over HTTP; the
+    """cluster.service_actor: one actor builds the hotpotqa BM25 index and serves it over HTTP; the
     workers' envs get its URL and find what the index in this process finds."""
     from agent_r1.retrieval.server import RemoteRetriever
     from agent_r1.task import TaskSpec
@@ -171,15 +181,16 @@ def test_the_search_index_runs_as_a_ray_actor_that_the_workers_query(local_ray, 
 
     spec = TaskSpec("hotpotqa")
     model = make_tiny_llama(len(tokenizer), hidden=32, eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id)
-    pool = workers(model, tokenizer, make_env=spec.env_factory(tokenizer, True, 2), retrieval_actor=True)
+    pool = workers(model, tokenizer, make_env=spec.env_factory(tokenizer, True, 2), service_actor=True)
     try:
-        url = ray.get(pool._retrieval.url.remote())
-        assert ray.get(pool._args[2]).options.retriever == url  # the env factory the workers were given
+        trajs = lockstep(pool, spec.tasks("train", 2), 2, seed=0)  # the actor starts with the first env factory
+        assert not any(t.termination == Termination.ERROR for t in trajs), trajs[0].error
+        url = ray.get(pool._service.url.remote())
+        (shipped,) = [ray.get(obj) for _, obj in pool._envs.values()]
+        assert shipped.options.retriever == url  # the env factory the workers were given
         query = spec.tasks("val", 1)[0]["question"]
         remote, local = RemoteRetriever(url).search(query, 3), spec.module.retriever(spec.options).search(query, 3)
         assert [(h.passage.title, h.index) for h in remote] == [(h.passage.title, h.index) for h in local]
-        trajs = pool.run(spec.tasks("train", 2), 2, seed=0)
-        assert not any(t.termination == Termination.ERROR for t in trajs), trajs[0].error
     finally:
         pool.shutdown()
 
@@ -235,7 +246,7 @@ def test_async_groups_run_on_the_workers_and_weights_reach_episodes_in_flight(lo
     pool = workers(model, tokenizer, make_env=ToolWait(str(flag)))  # version 1: `model`
 
     async def rollout():
-        groups = [asyncio.create_task(pool.run_group(TASKS[i], 2, 2 * i)) for i in range(4)]
+        groups = [asyncio.create_task(one_group(pool, TASKS[i], 2, 2 * i)) for i in range(4)]
         while not flag.exists():
             await asyncio.sleep(0.01)
         await asyncio.to_thread(pool.load_weights, other.state_dict(), 2, True)
@@ -261,13 +272,14 @@ def test_a_worker_killed_under_async_is_revived_and_its_group_rolled_out_again(l
     try:
         pids = pool.worker_pids()
         killer = _kill_when(flag, pids[0])  # the least busy worker gets the first group: worker 0
-        trajs = asyncio.run(pool.run_group(TASKS[0], 2, 0))
+        trajs = asyncio.run(one_group(pool, TASKS[0], 2, 0))
         killer.join()
         metrics = pool.take_metrics()
     finally:
         pool.shutdown()
     assert len(trajs) == 2 and not any(t.termination == Termination.ERROR for t in trajs), trajs[0].error
-    assert metrics == {"ray/restarts": 1.0} and pool.take_metrics() == {}
+    assert metrics == {"ray/restarts": 1.0, "ray/lost_episodes": 0.0}
+    assert pool.take_metrics() == {"ray/restarts": 0.0, "ray/lost_episodes": 0.0}  # counts since the last call
 
 
 def test_async_training_with_ray_workers(local_ray, tmp_path, tokenizer, monkeypatch):
@@ -306,10 +318,10 @@ def test_an_agent_program_through_the_gateway_on_the_workers_is_the_in_process_r
     model = AutoModelForCausalLM.from_pretrained(tool_model_dir)
     factory = ProgramEnvFactory(tokenizer, command=AGENT, reward="tests.gateway.test_train:reward", max_turns=3)
     rollout = RolloutConfig(temperature=1.0, max_new_tokens=40)
-    pool = RayRollout(ClusterConfig(rollout_workers=2), rollout, model, tokenizer, factory, 0, "fp32")
+    pool = RayRollout(ClusterConfig(rollout_workers=2), rollout, model, tokenizer, 0, "fp32")
     try:
         pool.sync_weights(model)
-        got = pool.run([TASK] * 3, 2, seed=5)
+        got = lockstep(pool, [TASK] * 3, 2, seed=5, make_env=factory)
     finally:
         pool.shutdown()
     want = AgentEnvLoop(LocalEngine(model, tokenizer), factory, rollout.sampling(), seed=5).run_sync([TASK] * 3, 2)

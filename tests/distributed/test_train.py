@@ -205,4 +205,4 @@ def test_two_processes_train_asynchronously_from_rank_0s_producer(tmp_path, toy_
     assert all(m["async/version_lag_max"] <= 1 and m["trained_episodes"] == 16 and m["updates"] == 1 for m in hist)
     assert any(m["async/version_lag_mean"] > 0 for m in hist[1:])  # it ran ahead of the update
     meta = json.loads((run / "checkpoints" / "step_000006" / "meta.json").read_text())
-    assert meta["world_size"] == 2 and meta["async"]["cursor"] == meta["cursor"] >= 6 * 4
+    assert meta["world_size"] == 2 and meta["producer"]["cursor"] == meta["cursor"] >= 6 * 4

@@ -229,9 +229,11 @@ def test_local_engine_sync_weights(tokenizer, prompt):
     engine = LocalEngine(model, tokenizer)
     params = list(model.parameters())
     before = [p.detach().clone() for p in params]
-    engine.sync_weights(model)  # the trainer's own model: nothing to do
+    engine.sync_weights(model)  # the trainer's own model: nothing to copy, but a new version
     assert all(p is q and torch.equal(p, b) for p, q, b in zip(model.parameters(), params, before, strict=True))
-    assert engine.weights_version == 0
+    assert engine.weights_version == 1
+    engine.sync_weights(model, version=7)  # the trainer's version (RL steps done), as the producer gives it
+    assert engine.weights_version == 7 and greedy(engine, prompt).versions == [7] * len(greedy(engine, prompt).versions)
 
     other = tiny(tokenizer, seed=5)
     want = greedy(LocalEngine(other, tokenizer), prompt)

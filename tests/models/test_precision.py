@@ -197,7 +197,7 @@ def test_exports_checkpoints_and_rays_model_are_copied_to_the_cpu_not_cloned_on_
     from agent_r1.config import load_config
     from agent_r1.trainer.checkpoint import export_policy, trainable_state
     from agent_r1.trainer.config import TrainConfig
-    from agent_r1.trainer.rl import _engine_source
+    from agent_r1.trainer.setup import _engine_source
 
     model = make_tiny_llama(len(tokenizer), hidden=32)
     cfg = load_config(TrainConfig, None, ["cluster.rollout_workers=2"])

@@ -4,17 +4,15 @@ import pytest
 import torch
 
 from agent_r1.engines.protocol import GenerateOutput, SamplingParams, no_cohort
-from agent_r1.env.base import StepResult
+from agent_r1.env.base import Env, StepResult
 from agent_r1.rollout.agent_loop import AgentEnvLoop, obs_state, summarize
 from agent_r1.rollout.merge import merge_trajectories
 from agent_r1.types import Observation, Termination
 from tests.conftest import recompute_logprobs
 
 
-class ChattyEnv:
+class ChattyEnv(Env):
     """Always answers with a fixed observation for `turns` turns; optionally rewrites the context."""
-
-    stop = ()
 
     def __init__(self, tokenizer, turns=3, rewrite=False):
         self.tok, self.turns, self.rewrite = tokenizer, turns, rewrite
@@ -156,6 +154,26 @@ def test_an_env_that_cannot_be_made_ends_its_trajectory_not_the_run(engine, toke
     assert [t.termination for t in trajs].count(Termination.ERROR) == 1
     assert "did not come back" in next(t.error for t in trajs if t.error)
     assert [t.termination for t in trajs].count(Termination.ANSWERED) == 2
+
+
+class DuckEnv:
+    """An env written against the old protocol: reset and step, no base class."""
+
+    async def reset(self, task):
+        return Observation(token_ids=[1, 2])
+
+    async def step(self, action):
+        return StepResult(None, 1.0, True, {})
+
+
+def test_an_env_that_is_not_an_env_errors_its_episode_naming_the_base_class(engine, tokenizer):
+    """The loop calls `stop`, `samples` and `close` without probing: an env must subclass Env, which gives
+    them their defaults, and one that does not is told so in its episodes' error."""
+    (t,) = AgentEnvLoop(engine, DuckEnv, SamplingParams(max_new_tokens=4)).run_sync(TASKS[:1])
+    assert t.termination == Termination.ERROR and not t.steps
+    assert t.error == "TypeError: DuckEnv is not an agent_r1.env.base.Env: subclass it"
+    env = ChattyEnv(tokenizer)  # the defaults a subclass gets
+    assert (env.stop, env.samples) == ((), 1)
 
 
 class OddPartsEnv(ChattyEnv):

@@ -6,7 +6,7 @@ import torch
 
 from agent_r1.engines.cpu.local_engine import LocalEngine
 from agent_r1.engines.protocol import SamplingParams
-from agent_r1.env.base import StepResult
+from agent_r1.env.base import Env, StepResult
 from agent_r1.env.prompt_format import prompt_format_for
 from agent_r1.models.vision import image_token_id
 from agent_r1.rollout.agent_loop import AgentEnvLoop
@@ -19,11 +19,9 @@ from tests.conftest import picture
 QUESTION = "Look at the picture below and the pictures the zoom tool returns, then say what they show. " * 2
 
 
-class ZoomEnv:
+class ZoomEnv(Env):
     """A task's picture with a long question, then a tool response holding a new picture every turn, added
     as ToolEnv adds it (the format's continuation); the third turn ends the episode."""
-
-    stop = ()
 
     def __init__(self, processor, turns=3):
         self.fmt, self.turns = prompt_format_for(processor), turns

@@ -8,9 +8,9 @@ import subprocess
 import pytest
 
 from agent_r1.config import build
-from agent_r1.env import bfcl as bfcl_env
 from agent_r1.task import load_task
 from agent_r1.tasks import bfcl
+from agent_r1.tasks import bfcl as bfcl_env
 
 
 def options(**kw) -> bfcl.Options:

@@ -9,7 +9,6 @@ import sys
 import pytest
 
 from agent_r1.config import build
-from agent_r1.env import openenv as openenv_env
 from agent_r1.task import load_task
 from agent_r1.tasks import openenv as oe
 from agent_r1.utils import servers
@@ -65,23 +64,23 @@ def test_an_app_that_cannot_start_is_one_line_with_what_it_printed(tmp_path, mon
     (tmp_path / "broken_env.py").write_text("raise SystemExit('the env needs a GPU it does not have')\n")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RuntimeError, match="app broken_env:app exited at start: the env needs a GPU it") as err:
-        openenv_env.local_server("broken_env:app")
+        oe.local_server("broken_env:app")
     assert "\n" not in str(err.value)
 
 
 def test_a_local_server_is_started_once_per_process_and_again_after_it_dies():
     import httpx
 
-    url = openenv_env.local_server(GUESS)
+    url = oe.local_server(GUESS)
     try:
-        assert openenv_env.local_server(GUESS) == url  # the same server for every episode
+        assert oe.local_server(GUESS) == url  # the same server for every episode
         proc, _ = servers._SERVERS[GUESS]
         proc.kill()
         proc.wait()
-        again = openenv_env.local_server(GUESS)
+        again = oe.local_server(GUESS)
         assert httpx.get(f"{again}/health").json() == {"status": "healthy"}
     finally:
-        openenv_env.stop_local_servers()
+        oe.stop_local_servers()
     assert proc.poll() is not None and not servers._SERVERS
 
 
@@ -112,7 +111,7 @@ def test_a_local_server_starts_off_the_event_loop_so_other_episodes_go_on(monkey
         start = time.monotonic()
         env = oe.make_env(options(app=GUESS), ChatFormat(tokenizer))
         made = time.monotonic() - start
-        with pytest.raises(openenv_env.EnvServerError, match=r"127\.0\.0\.1:1"):
+        with pytest.raises(oe.EnvServerError, match=r"127\.0\.0\.1:1"):
             await env.reset({"seed": 1})
         beside.cancel()
         return made, ticks
@@ -131,7 +130,7 @@ def test_eval_runs_an_openenv_server_from_one_command_line(tiny_model_dir, token
     try:
         metrics, trajs = run_eval(load_config(EvalConfig, None, overrides))
     finally:
-        openenv_env.stop_local_servers()
+        oe.stop_local_servers()
     assert metrics["episodes"] == 4.0 and metrics["errors"] == 0.0
     assert all(t.error is None for t in trajs)
     seeds = [t.task["seed"] for t in trajs]

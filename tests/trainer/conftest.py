@@ -13,7 +13,7 @@ import pytest
 from transformers import LlamaForCausalLM
 
 from agent_r1.config import load_config
-from agent_r1.env.base import StepResult
+from agent_r1.env.base import Env, StepResult
 from agent_r1.trainer.config import TrainConfig
 from agent_r1.types import Observation, Termination
 from tests.conftest import make_tiny_llama
@@ -21,10 +21,8 @@ from tests.conftest import make_tiny_llama
 VOCAB = 64
 
 
-class LowIdEnv:
+class LowIdEnv(Env):
     """Two turns; the outcome reward is the share of sampled ids < 32 (NaN when `poison`)."""
-
-    stop = ()
 
     def __init__(self, poison: bool = False) -> None:
         self.poison = poison

@@ -312,19 +312,35 @@ class Down(LowIdEnv):
         raise ConnectionError("down")
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16 recomputes the old log-probs: of no rows here
-def test_a_step_where_every_episode_errors_is_survived_and_reported(tmp_path, tokenizer, dtype):
-    _, hist = run(toy_config(tmp_path, "steps=2", f"dtype={dtype}"), tokenizer, env=Down)
-    assert [(h["termination/error"], h["updates"], h["trained_episodes"]) for h in hist] == [(1.0, 0, 0)] * 2
+class DownAtFirst(LowIdEnv):
+    """The first step's episodes all fail (a sandbox host that is not up yet), then every one works."""
+
+    resets = 0
+
+    async def reset(self, task):
+        DownAtFirst.resets += 1
+        if DownAtFirst.resets <= 4 * 4:
+            raise ConnectionError("down")
+        return await super().reset(task)
 
 
-def test_steps_in_a_row_whose_every_episode_errors_stop_the_run_with_the_last_error(tmp_path, tokenizer):
-    """A broken engine or environment gives nothing to learn from: the fourth such step in a row stops
-    the run, as a stalled async producer does, instead of running on to `steps` training nothing."""
-    match = r"the last 4 steps' episodes all errored \(the last: ConnectionError: down\); stopping"
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16 recomputes the old log-probs
+def test_groups_whose_every_episode_errors_are_replaced_counted_and_survived(tmp_path, tokenizer, dtype):
+    """An errored group is no evidence about the policy: the producer leaves it out and draws another task
+    in its place, in lockstep as asynchronously, so the step still trains on tasks_per_step groups."""
+    DownAtFirst.resets = 0
+    _, hist = run(toy_config(tmp_path, "steps=2", f"dtype={dtype}"), tokenizer, env=DownAtFirst)
+    assert [h["rollout/errored_groups"] for h in hist] == [4.0, 0.0]
+    assert all(h["termination/error"] == 0 and h["trained_episodes"] == 16 and h["updates"] > 0 for h in hist)
+
+
+def test_an_environment_that_always_errors_stops_the_run_with_the_last_error(tmp_path, tokenizer):
+    """A broken engine or environment gives nothing to learn from: once four steps' worth of groups in a
+    row were left out the run stops (RolloutStalled), as it does asynchronously, instead of drawing forever."""
+    match = r"the last 16 groups were left out: their episodes all errored \(the last: ConnectionError: down\); stop"
     with pytest.raises(RolloutStalled, match=match):
         run(toy_config(tmp_path, "steps=9", "save_every=1"), tokenizer, env=Down)
-    assert json.loads((latest_checkpoint(tmp_path / "run") / "meta.json").read_text())["step"] == 3
+    assert latest_checkpoint(tmp_path / "run") is None
 
 
 class OverflowEnv(LowIdEnv):
@@ -444,7 +460,7 @@ def test_training_through_a_remote_engine_syncs_the_weights_every_step(tmp_path,
         _, hist = run(cfg, tokenizer)
         version = httpx.get(f"{url}/v1/models").json()["data"][0]["weights_version"]
     assert all(h["updates"] == 1 and h["logprob_drift_max"] < 1e-4 for h in hist)
-    assert version == 3 and hist[-1]["time/weight_sync"] > 0  # before step 1, after steps 1 and 2
+    assert version == 2 and hist[-1]["time/weight_sync"] > 0  # the policy version: RL steps done
 
 
 def test_asynchronous_training_through_a_remote_engine_loads_weights_between_tokens(tmp_path, tokenizer):
@@ -558,45 +574,24 @@ def test_an_rl_step_on_pictures_trains_through_the_vision_tower(tmp_path, tiny_l
     assert max((p - before[n]).abs().max().item() for n, p in model.named_parameters() if "vision_tower" in n) > 0
 
 
-def test_dynamic_sampling_draws_until_every_group_differs(tmp_path, tokenizer):
-    """DAPO's dynamic sampling: groups whose samples all got the same reward are dropped and new tasks
-    drawn, so the step trains on tasks_per_step groups that each carry a group-relative signal."""
+def test_dynamic_sampling_trains_on_groups_that_differ_in_lockstep_and_asynchronously(tmp_path, tokenizer):
+    """DAPO's dynamic sampling, a filter on the producer's stream (tests/rollout/test_producer.py): every
+    step counts the groups it looked at and kept, at any max_staleness; a group's return is the one the
+    estimators see."""
     from agent_r1.trainer.config import AlgoConfig
-    from agent_r1.trainer.rl import dynamic_sampling, task_return
+    from agent_r1.trainer.setup import task_return
     from agent_r1.types import Step, Trajectory
 
-    def group(gid, outcomes):
-        return [Trajectory(task={}, traj_id=f"{gid}-{i}", group_id=gid, steps=[Step([1], [2], [0.0], o, done=True)])
-                for i, o in enumerate(outcomes)]  # fmt: skip
-
-    rounds = [group("a", [1, 1]) + group("b", [0, 1]), group("c", [0, 0]), group("d", [1, 0]) + group("e", [0, 1])]
-    asked = []
-
-    def draw(n, round_):
-        asked.append((n, round_))
-        return rounds[round_]
-
-    trajs, metrics = dynamic_sampling(draw, groups=2, max_draws=4)
-    assert asked == [(2, 0), (1, 1), (1, 2)]  # one group short after round 0, still short after round 1
-    assert [t.group_id for t in trajs] == ["b", "b", "d", "d"]  # the first two groups that differ, in order
-    assert metrics == {"dynamic_sampling/rounds": 3.0, "dynamic_sampling/groups_drawn": 5.0,
-                       "dynamic_sampling/groups_kept": 2.0}  # fmt: skip
-    same = dynamic_sampling(lambda n, r: group(f"z{r}", [1, 1]), groups=2, max_draws=2)
-    assert [t.group_id for t in same[0]] == ["z0", "z0"] and same[1]["dynamic_sampling/rounds"] == 2.0
-    # the same outcomes, but a process reward on the first step of one sample: a difference in the return
     noted = [Trajectory(task={}, traj_id=f"p-{i}", group_id="p",
                         steps=[Step([1], [2], [0.0], r), Step([1], [2], [0.0], 0.0, done=True)])
              for i, r in enumerate([0.5, 0.0])]  # fmt: skip
-    assert dynamic_sampling(lambda n, r: noted, 1, 1)[1]["dynamic_sampling/groups_kept"] == 0.0
-    judged = dynamic_sampling(lambda n, r: noted, 1, 1, lambda t: t.outcome + sum(t.process_rewards))
-    assert judged[1]["dynamic_sampling/groups_kept"] == 1.0
     # what train judges by: the weighted process rewards, none when they are a potential's (they telescope)
     assert task_return(AlgoConfig(process_reward_weight=0.5), noted[0]) == 0.25
     assert task_return(AlgoConfig(process_reward_weight=0.5, process_reward_potential=True), noted[0]) == 0.0
 
-    cfg = toy_config(tmp_path, "steps=2", "rollout.dynamic_sampling=true", "rollout.max_draws=3")
-    _, hist = run(cfg, tokenizer)
-    assert all(1 <= h["dynamic_sampling/rounds"] <= 3 and h["dynamic_sampling/groups_kept"] <= 4 for h in hist)
-    assert all(h["dynamic_sampling/groups_drawn"] >= 4 for h in hist)
-    with pytest.raises(ValueError, match=r"rollout\.dynamic_sampling draws more tasks within a lockstep step"):
-        toy_config(tmp_path, "rollout.dynamic_sampling=true", "rollout.max_staleness=1")
+    for k in (0, 1):
+        cfg = toy_config(tmp_path / str(k), "steps=2", "rollout.dynamic_sampling=true", "rollout.max_draws=3",
+                         f"rollout.max_staleness={k}")  # fmt: skip
+        _, hist = run(cfg, tokenizer)
+        assert all(4 <= h["dynamic_sampling/groups_drawn"] <= 12 for h in hist), k
+        assert all(h["dynamic_sampling/groups_kept"] <= 4 and h["trained_episodes"] == 16 for h in hist), k

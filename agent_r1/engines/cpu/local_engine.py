@@ -433,14 +433,15 @@ class LocalEngine:
             time.sleep(0.01)
         return self.idle
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
+    def sync_weights(self, model: torch.nn.Module, version: int | None = None, between_tokens: bool = False) -> None:
         """Sample from `model`'s current weights. When it is the engine's own model (the trainer and the
         engine share one object) there is nothing to copy, but the kept keys were computed with the
         old weights and are dropped; otherwise its weights (LoRA merged) are copied in."""
         if model is not self.model:
-            self.load_weights(full_state_dict(model))
-        else:
-            self.sleep()
+            self.load_weights(full_state_dict(model), version, between_tokens)
+            return
+        self.sleep()
+        self.weights_version = self.weights_version + 1 if version is None else version
 
     def close(self) -> None:
         """Finish what runs, then free the KV memory and the packed weights (the model is the caller's)."""

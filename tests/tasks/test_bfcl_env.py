@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from agent_r1.engines.protocol import SamplingParams
-from agent_r1.env.bfcl import BfclEnv, BfclError, Worker, bfcl_python, worker
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.rollout.agent_loop import AgentEnvLoop
 from agent_r1.rollout.merge import merge_trajectories
+from agent_r1.tasks.bfcl import BfclEnv, BfclError, Worker, bfcl_python, worker
 from agent_r1.types import Termination
 from tests.rollout.test_agent_loop import ScriptedEngine
 
