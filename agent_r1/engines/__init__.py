@@ -18,9 +18,6 @@ if TYPE_CHECKING:
     from agent_r1.engines.protocol import Engine
 
 EngineKind = Literal["local", "vllm", "remote"]
-# The attention implementation a CPU engine's model runs with: registered by `cpu/kv_cache.py`, it computes
-# as SDPA for every forward pass but the engine's own, so the trainer's forward treats it as SDPA.
-SLOT_ATTENTION = "agent_r1_slots"
 
 
 @dataclass

@@ -17,6 +17,10 @@ from agent_r1.models.lora import merged_copy
 if TYPE_CHECKING:
     import torch
 
+# The attention implementation a CPU engine's model runs with: registered by `cpu/kv_cache.py`, it computes
+# as SDPA for every forward pass but the engine's own, so the trainer's forward treats it as SDPA.
+SLOT_ATTENTION = "agent_r1_slots"
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -35,7 +35,7 @@ import torch
 
 from agent_r1.distributed.fsdp import ROOT_FORWARD
 from agent_r1.distributed.group import SINGLE, Dist
-from agent_r1.engines import SLOT_ATTENTION
+from agent_r1.engines.protocol import SLOT_ATTENTION
 from agent_r1.models.precision import autocast, model_device
 from agent_r1.models.vision import embed_with_images, image_token_id, placeholder_keys, rope_index, rope_positions
 from agent_r1.types import Image

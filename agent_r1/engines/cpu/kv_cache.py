@@ -50,8 +50,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from agent_r1.engines import SLOT_ATTENTION
 from agent_r1.engines.cpu.decode_attention import kernel_for
+from agent_r1.engines.protocol import SLOT_ATTENTION
 from agent_r1.models.onednn import ForwardMixin, mix_in
 
 ZERO_AHEAD = 64  # columns `read_up_to` makes finite at a time
