@@ -1,11 +1,28 @@
-"""Pieces shared by the RL and SFT entry points: the optimizer and the learning-rate schedule."""
+"""Pieces shared by the RL and SFT entry points: the model trained, the optimizer and the learning-rate
+schedule."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
+
+from agent_r1.models.loading import load_model, load_processor, place_model
+from agent_r1.models.lora import with_lora
+
+
+def trained_model(cfg: Any, model: torch.nn.Module | None, tokenizer: Any) -> tuple[torch.nn.Module, Any, Any, Any]:
+    """(the model, its processor, its tokenizer, the policy): the config's model or the one passed in, on
+    the config's device and precision with its kernels; a vision-language model's processor (what formats
+    and exports take) differs from its tokenizer; the policy is the model, LoRA-wrapped with lora.enabled."""
+    if model is None:
+        model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, training=True)
+        tokenizer = load_processor(cfg.model) or tokenizer
+    processor, tokenizer = tokenizer, getattr(tokenizer, "tokenizer", tokenizer)
+    place_model(model, cfg.device, cfg.dtype)
+    return model, processor, tokenizer, with_lora(model, cfg.lora) if cfg.lora.enabled else model
 
 
 def adamw(params: list, lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:

@@ -31,8 +31,8 @@ from agent_r1.engines import check_installed, make_engine
 from agent_r1.engines.protocol import Engine
 from agent_r1.env.base import Env
 from agent_r1.env.prompt_format import prompt_format_for
-from agent_r1.models.loading import load_model, load_processor, place_model, resolve_model_path
-from agent_r1.models.lora import merged_copy, with_lora
+from agent_r1.models.loading import resolve_model_path
+from agent_r1.models.lora import merged_copy
 from agent_r1.models.precision import cpu_copy, model_device, resolve_device
 from agent_r1.observe.health import HealthMonitor
 from agent_r1.observe.loggers import Loggers
@@ -40,7 +40,7 @@ from agent_r1.observe.plot import read_metrics
 from agent_r1.rollout.producer import EngineGroups, GroupRunner, Producer, has_signal
 from agent_r1.task import TaskSpec, resolve_chat, resolve_tool_format
 from agent_r1.trainer.checkpoint import export_policy, resume
-from agent_r1.trainer.common import adamw, lr_schedule
+from agent_r1.trainer.common import adamw, lr_schedule, trained_model
 from agent_r1.trainer.config import AlgoConfig, TrainConfig
 from agent_r1.trainer.critic import Critic
 from agent_r1.trainer.curriculum import Curriculum
@@ -127,13 +127,7 @@ def build(
 
     # --- model, reference, critic, optimizer, engine ----------------------------------------------
     chat_hint = cfg.model if model is None else None  # the prompt format of the model actually trained
-    if model is None:
-        model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, training=True)
-        tokenizer = load_processor(cfg.model) or tokenizer
-    # a vision-language model's processor (what formats and exports take), and its tokenizer
-    processor, tokenizer = tokenizer, getattr(tokenizer, "tokenizer", tokenizer)
-    place_model(model, cfg.device, cfg.dtype)  # a model passed in too: its device, precision and kernels
-    policy = with_lora(model, cfg.lora) if cfg.lora.enabled else model
+    model, processor, tokenizer, policy = trained_model(cfg, model, tokenizer)
     if cfg.optim.gradient_checkpointing:  # recompute activations in backward: less memory, ~1/3 more compute
         # transformers 5.20 renamed it (the old name stays as an alias); vLLM 0.32 on a GPU brings 5.19
         enable = getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable

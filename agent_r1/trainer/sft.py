@@ -25,15 +25,14 @@ from agent_r1.config import to_dict
 from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.env.tool_env import ToolEnv
 from agent_r1.env.tool_formats import ToolFormatName
-from agent_r1.models.loading import load_model, load_processor, place_model
-from agent_r1.models.lora import LoraConfig, with_lora
+from agent_r1.models.lora import LoraConfig
 from agent_r1.models.precision import Device, Precision, model_device
 from agent_r1.models.vision import image_token_id, is_vision_parameter
 from agent_r1.rollout.merge import merge_trajectory
 from agent_r1.task import TaskSpec, resolve_chat, resolve_tool_format
 from agent_r1.trainer.batching import Row, image_row_key, pack, token_logprobs
 from agent_r1.trainer.checkpoint import export_policy, save_checkpoint
-from agent_r1.trainer.common import adamw, lr_schedule
+from agent_r1.trainer.common import adamw, lr_schedule, trained_model
 from agent_r1.trainer.export import policy_info
 from agent_r1.types import Action, Message, Step, TrainSequence, Trajectory
 from agent_r1.utils.jsonl import append_jsonl
@@ -187,13 +186,7 @@ def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any 
     write_text_atomic(run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
     torch.manual_seed(cfg.seed)
     chat_hint = cfg.model if model is None else None
-    if model is None:
-        model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, training=True)
-        tokenizer = load_processor(cfg.model) or tokenizer
-    # a vision-language model's processor (what formats and exports take), and its tokenizer
-    processor, tokenizer = tokenizer, getattr(tokenizer, "tokenizer", tokenizer)
-    place_model(model, cfg.device, cfg.dtype)  # a model passed in too: its device, precision and kernels
-    policy = with_lora(model, cfg.lora) if cfg.lora.enabled else model
+    model, processor, tokenizer, policy = trained_model(cfg, model, tokenizer)
     chat = resolve_chat(cfg.prompt_format, processor, chat_hint)
 
     # the prompt prefix RL and eval will use: system (tools + instructions) and optional example
