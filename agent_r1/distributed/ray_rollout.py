@@ -20,7 +20,7 @@ A worker that dies mid-rollout (a crashed env, a killed process, a lost node) is
 (`max_restarts`), reloads the current weights and rolls its shard (or group) out again,
 `cluster.retries` times; after that its episodes count as errors and the run goes on. A task that
 declares a shared service (hotpotqa: its search index, `service(options)` and `using_service(options,
-url)`) can run it as one more actor (`cluster.service_actor`), so workers share one instead of
+url)`) can run it as one more actor (`cluster.retrieval_actor`), so workers share one instead of
 building one each.
 """
 
@@ -141,7 +141,7 @@ class RayRollout:
         self.metrics: dict[str, float] = {}
         self._lock = threading.Lock()  # counts come from the producer's thread
         self._dead: set[int] = set()  # workers that missed a weight load
-        self._service = None if not cluster.service_actor else False  # started with the first env factory
+        self._service = None if not cluster.retrieval_actor else False  # started with the first env factory
         self._envs: dict[int, tuple[Any, Any]] = {}  # id(make_env) -> (make_env, its object in the store)
         spec = rollout.engine_spec(seed, dtype)  # dtype: vLLM's, and a local worker's that loads the model
         actor = self.ray.remote(num_cpus=cluster.worker_cpus, num_gpus=cluster.worker_gpus, max_restarts=-1)(
@@ -222,7 +222,7 @@ class RayRollout:
 
     def _env_object(self, make_env: Any) -> Any:
         """`make_env` in the object store, once per factory (a curriculum's next stage is a new one); with
-        `cluster.service_actor`, the task's service served by one actor that the workers' envs query."""
+        `cluster.retrieval_actor`, the task's service served by one actor that the workers' envs query."""
         if id(make_env) not in self._envs:
             shipped = make_env
             if self._service is not None:
@@ -277,7 +277,7 @@ class RayRollout:
 
         module = load_task(make_env.task) if hasattr(make_env, "task") else None
         if not hasattr(module, "service"):
-            raise ValueError("cluster.service_actor needs a task that declares a service (service, using_service)")
+            raise ValueError("cluster.retrieval_actor needs a task that declares a service (service, using_service)")
         if not self._service:
             self._service = self.ray.remote(num_cpus=0)(ServiceActor).remote(make_env.task, make_env.options)
         url = self.ray.get(self._service.url.remote())

@@ -180,7 +180,7 @@ def retriever(options: Options) -> Retriever:
 
 
 def service(options: Options) -> Any:
-    """What Ray's rollout workers share instead of building one each (`cluster.service_actor`): the
+    """What Ray's rollout workers share instead of building one each (`cluster.retrieval_actor`): the
     search index, behind `agent-r1 retrieval-server`'s HTTP API."""
     from agent_r1.retrieval.server import create_app
 

@@ -195,7 +195,7 @@ class ClusterConfig:
     retries: int = 1
     """a worker that dies is restarted, and its tasks are rolled out again this many times before
     they count as errored episodes"""
-    service_actor: bool = False
+    retrieval_actor: bool = False
     """the task's shared service (hotpotqa: its search index) runs as one more Ray actor that every
     worker's envs query over HTTP, for tasks that declare one (service(options), using_service)"""
 

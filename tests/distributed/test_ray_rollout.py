@@ -173,7 +173,7 @@ def test_training_with_ray_workers_is_the_in_process_run(local_ray, tmp_path, to
 
 
 def test_the_search_index_runs_as_a_ray_actor_that_the_workers_query(local_ray, tokenizer):
-    """cluster.service_actor: one actor builds the hotpotqa BM25 index and serves it over HTTP; the
+    """cluster.retrieval_actor: one actor builds the hotpotqa BM25 index and serves it over HTTP; the
     workers' envs get its URL and find what the index in this process finds."""
     from agent_r1.retrieval.server import RemoteRetriever
     from agent_r1.task import TaskSpec
@@ -181,7 +181,7 @@ def test_the_search_index_runs_as_a_ray_actor_that_the_workers_query(local_ray, 
 
     spec = TaskSpec("hotpotqa")
     model = make_tiny_llama(len(tokenizer), hidden=32, eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id)
-    pool = workers(model, tokenizer, make_env=spec.env_factory(tokenizer, True, 2), service_actor=True)
+    pool = workers(model, tokenizer, make_env=spec.env_factory(tokenizer, True, 2), retrieval_actor=True)
     try:
         trajs = lockstep(pool, spec.tasks("train", 2), 2, seed=0)  # the actor starts with the first env factory
         assert not any(t.termination == Termination.ERROR for t in trajs), trajs[0].error
