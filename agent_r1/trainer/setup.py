@@ -148,7 +148,7 @@ def build(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_schedule(total_updates, cfg.optim.warmup_steps, cfg.optim.schedule)
     )
-    engine = _engine(cfg, plain, tokenizer, run_dir, chat_hint is not None)
+    engine, runner, ray = _engines(cfg, dist, plain, tokenizer, run_dir, chat_hint is not None)
 
     # --- task: training tasks, the env factory, validation -------------------------------------------
     chat = resolve_chat(cfg.prompt_format, processor, chat_hint)
@@ -168,11 +168,6 @@ def build(
     sampler, make_env = stage(curriculum.task if curriculum else cfg.task)
     calls = prompt_format_for(processor, chat, tool_format).tool_format
     info = policy_info(cfg.model, chat, cfg.task.to_raw() if own_task else None, calls)
-    ray = None
-    if cfg.cluster.rollout_workers and dist.main:
-        source = _engine_source(cfg, plain, tokenizer, run_dir, chat_hint is not None)
-        ray = RayRollout(cfg.cluster, cfg.rollout, source, tokenizer, cfg.seed, cfg.dtype)
-    runner = _runner(cfg, dist, engine, ray, plain, tokenizer)
     validator = None
     if dist.main:  # greedy validation on rank 0's own engine; the other ranks wait in the next collective
         own = runner is None or runner.engine is not engine  # an engine that validates only
@@ -218,20 +213,36 @@ def _unsharded_copy(cfg: TrainConfig, policy: torch.nn.Module) -> torch.nn.Modul
     return cpu_copy(policy)
 
 
-def _engine(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, run_dir: Path, from_config: bool) -> Engine:
-    """This rank's engine: the trainer's own model object (no copy), vLLM in this process, or a server;
-    the last two get the policy's weights before the first rollout and after every update. With Ray
-    rollout workers, `rollout.engine` is theirs and this one only validates, over `policy` itself."""
+def _engines(
+    cfg: TrainConfig, dist: Dist, plain: torch.nn.Module, tokenizer: Any, run_dir: Path, from_config: bool
+) -> tuple[Engine, GroupRunner | None, RayRollout | None]:
+    """Every engine of the run, built here: this rank's (the rollout's in this process, and validation's),
+    the runner its groups go through (None: rank 0's, under torchrun with asynchronous RL or Ray), and Ray's
+    workers, which build theirs from the same spec. This rank's engine is the trainer's own model object
+    (no copy), vLLM in this process, or a server; the last two get the policy's weights before the first
+    rollout and after every update. Asynchronous RL on the local engine rolls out over a copy of the
+    weights (the trainer updates its own in place while episodes go on)."""
     r = cfg.rollout
     spec = r.engine_spec(cfg.seed, cfg.dtype, sync_dir=str(run_dir / "weight_sync"))
-    if cfg.cluster.rollout_workers:
-        return make_engine(dataclasses.replace(spec, kind="local"), policy, tokenizer)
+    if cfg.cluster.rollout_workers:  # the workers roll out; this engine only validates, over `plain` itself
+        engine = make_engine(dataclasses.replace(spec, kind="local"), plain, tokenizer)
+        source = _engine_source(cfg, plain, tokenizer, run_dir, from_config) if dist.main else None
+        ray = RayRollout(cfg.cluster, r, source, tokenizer, cfg.seed, cfg.dtype) if dist.main else None
+        return engine, ray, ray
     if r.engine == "vllm":
-        cuda = resolve_device(cfg.device).type == "cuda"  # `policy` may be a CPU copy (`_unsharded_copy`)
+        cuda = resolve_device(cfg.device).type == "cuda"  # `plain` may be a CPU copy (`_unsharded_copy`)
         sleep = r.vllm.sleep and cuda and not r.max_staleness  # asynchronous: it rolls out during the update
-        path = _engine_source(cfg, policy, tokenizer, run_dir, from_config)
-        return make_engine(dataclasses.replace(spec, sleep=sleep), path, tokenizer)
-    return make_engine(spec, policy, tokenizer)  # local: the trainer's own model object, no copy
+        path = _engine_source(cfg, plain, tokenizer, run_dir, from_config)
+        engine = make_engine(dataclasses.replace(spec, sleep=sleep), path, tokenizer)
+    else:
+        engine = make_engine(spec, plain, tokenizer)  # local: the trainer's own model object, no copy
+    if r.max_staleness and not dist.main:
+        return engine, None, None
+    rollout_engine = engine
+    if r.max_staleness and r.engine == "local":
+        rollout_engine = make_engine(r.engine_spec(cfg.seed), merged_copy(plain), tokenizer)
+    runner: GroupRunner = EngineGroups(rollout_engine, r.sampling())
+    return engine, RankShards(runner, dist) if dist.world > 1 and not r.max_staleness else runner, None
 
 
 def _engine_source(
@@ -246,22 +257,6 @@ def _engine_source(
     if cfg.rollout.engine == "vllm":
         return str(export_policy(policy, tokenizer, run_dir / "vllm_init"))
     return merged_copy(policy, cpu=True) if cfg.lora.enabled else cpu_copy(policy)
-
-
-def _runner(
-    cfg: TrainConfig, dist: Dist, engine: Engine, ray: RayRollout | None, plain: torch.nn.Module, tokenizer: Any
-) -> GroupRunner | None:
-    """Where this rank's groups run (None: on rank 0's, under torchrun with asynchronous RL or Ray): the Ray
-    workers; this rank's engine; or, for asynchronous RL on the local engine, a LocalEngine over a copy of
-    the weights (the trainer updates its own in place while episodes go on)."""
-    if cfg.cluster.rollout_workers:
-        return ray
-    if cfg.rollout.max_staleness and not dist.main:
-        return None
-    if cfg.rollout.max_staleness and cfg.rollout.engine == "local":
-        engine = make_engine(cfg.rollout.engine_spec(cfg.seed), merged_copy(plain), tokenizer)
-    runner: GroupRunner = EngineGroups(engine, cfg.rollout.sampling())
-    return RankShards(runner, dist) if dist.world > 1 and not cfg.rollout.max_staleness else runner
 
 
 def _producer(
