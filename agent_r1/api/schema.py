@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOPS = 16  # stop sequences a request may give (OpenAI takes 4, vLLM any number)
+MAX_STOP_CHARS = 256  # characters in one
 
 
 class APIError(Exception):
@@ -40,6 +43,18 @@ class _Request(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # a torch generator's seed: 64 bits, as vLLM's
     stream: bool = False
     return_token_ids: bool = False  # vLLM: put sampled (and prompt) token ids in the response
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        """Stop strings are checked against every decoded token on the engine's decode thread, which all
+        requests share: a client may not make that check arbitrarily long."""
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
+        if longest := max((len(x) for x in stops if len(x) > MAX_STOP_CHARS), default=0):
+            raise ValueError(f"a stop sequence is at most {MAX_STOP_CHARS} characters, got one of {longest}")
+        return stop
 
     @property
     def stops(self) -> tuple[str, ...]:

@@ -49,6 +49,12 @@ STDOUT_KEPT = 2**20  # the program's stdout handed to the reward: its last MiB
 STDERR_KEPT = 2**16  # its stderr: the last 64 KiB, whose end goes into the error of a failed episode
 TASK_ENV_MAX = 2**16  # AGENT_R1_TASK is set when the task's JSON is at most this long (stdin always has it)
 ERROR_TAIL = 360  # characters of stderr (or a function's traceback) in a failed episode's error
+# what a command inherits from the trainer's environment unless the task passes more (`pass_env`): what
+# programs need to run, never the trainer's tokens and credentials, which model-written code could read
+INHERITED_ENV = (
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TERM", "TZ", "TMPDIR", "PYTHONPATH",
+    "VIRTUAL_ENV", "NODE_PATH",
+)  # fmt: skip
 
 
 class ProgramError(RuntimeError):
@@ -100,7 +106,11 @@ class ProgramEnv(Env):
         max_turns: int = 8,
         env: dict[str, str] | None = None,
         cwd: str | None = None,
+        pass_env: Sequence[str] = (),
+        max_reward: float = 100.0,
     ) -> None:
+        """`env`: variables set for a command; `pass_env`: names of the trainer's own it may inherit beyond
+        `INHERITED_ENV`; `max_reward`: a posted reward outside [-max_reward, max_reward] is refused (4xx)."""
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         if not timeout_s > 0:
@@ -117,6 +127,10 @@ class ProgramEnv(Env):
         self.timeout_s = timeout_s  # seconds the program may take to its next request or its exit
         self.max_turns = max_turns
         self.extra_env = dict(env or {})  # more environment variables for a command
+        self.pass_env = tuple(pass_env)
+        if not max_reward > 0:
+            raise ValueError(f"max_reward must be > 0, got {max_reward}")
+        self.max_reward = max_reward
         self.cwd = cwd
         self.stop: tuple[str, ...] = tuple(prompt_format.stop)  # the current request's (read before each turn)
         self.samples = 1  # the current request's `n`: the rollout loop samples this many answers
@@ -137,6 +151,7 @@ class ProgramEnv(Env):
         self.merged = False
         self.gateway: Gateway = await asyncio.to_thread(gateway)  # started on first use
         self.mailbox = self.gateway.open()
+        self.mailbox.max_reward = self.max_reward
         self.base_url, self.api_key = self.gateway.base_url(self.mailbox), self.mailbox.token
         await self._start(task)
         event = await self._wait(render=True)
@@ -205,7 +220,8 @@ class ProgramEnv(Env):
         if callable(self.program):
             self._start_function(json.loads(payload))
             return
-        env = {**os.environ, **self.extra_env, "OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key}
+        env = program_env(self.pass_env) | self.extra_env
+        env["OPENAI_BASE_URL"], env["OPENAI_API_KEY"] = self.base_url, self.api_key
         env["AGENT_R1_EPISODE"], env["AGENT_R1_REWARD_URL"] = self.mailbox.id, self.gateway.reward_url(self.mailbox)
         no_proxy = env.get("NO_PROXY") or env.get("no_proxy")  # an HTTP proxy must not swallow 127.0.0.1
         env["NO_PROXY"] = env["no_proxy"] = ",".join(filter(None, [no_proxy, "127.0.0.1", "localhost"]))
@@ -421,6 +437,14 @@ def import_path(path: str, what: str) -> Callable[..., Any]:
     return fn
 
 
+def program_env(pass_env: Sequence[str] = ()) -> dict[str, str]:
+    """The trainer's environment as an agent program gets it: `INHERITED_ENV`, the locale's `LC_*` and the
+    names in `pass_env`. Everything else (API tokens, cloud credentials, the trainer's own settings) stays
+    out of reach of a program that may run model-written code."""
+    keep = set(INHERITED_ENV) | set(pass_env)
+    return {k: v for k, v in os.environ.items() if k in keep or k.startswith("LC_")}
+
+
 @dataclass(frozen=True)
 class ProgramEnvFactory:
     """`make_env()` for the rollout loop: a fresh `ProgramEnv` per episode. It pickles (Ray workers, other
@@ -437,6 +461,8 @@ class ProgramEnvFactory:
     tool_format: str = "auto"  # the tool-call family (agent_r1.env.tool_formats): auto = the template's
     env: tuple[tuple[str, str], ...] = ()  # more environment variables for a command
     cwd: str | None = None
+    pass_env: tuple[str, ...] = ()  # the trainer's variables a command may inherit beyond INHERITED_ENV
+    max_reward: float = 100.0  # a posted reward outside [-max_reward, max_reward] is refused
 
     def __post_init__(self) -> None:
         if (self.command is None) == (self.function is None):
@@ -454,7 +480,8 @@ class ProgramEnvFactory:
         return ProgramEnv(
             self.command if self.command is not None else fn, fmt,
             reward, timeout_s=self.timeout_s, max_turns=self.max_turns, env=dict(self.env), cwd=self.cwd,
+            pass_env=self.pass_env, max_reward=self.max_reward,
         )  # fmt: skip
 
 
-__all__ = ["Episode", "ProgramEnv", "ProgramEnvFactory", "ProgramError", "ProgramOutput", "import_path"]
+__all__ = ["Episode", "ProgramEnv", "ProgramEnvFactory", "ProgramError", "ProgramOutput", "import_path", "program_env"]

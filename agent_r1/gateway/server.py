@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import math
 import os
 import secrets
 import socket
@@ -76,6 +77,7 @@ class Mailbox:
     inbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # Call, or the env's own events (program exit)
     busy: bool = False  # a chat request is in flight (read and written on the server's loop only)
     reward: float | None = None  # the last reward the program posted
+    max_reward: float = math.inf  # a posted reward beyond +-this is refused (the task's bound)
     closed: bool = False  # the env closed the episode (read and written on the env's loop only)
 
     def put(self, event: Any) -> bool:
@@ -182,7 +184,11 @@ def create_app(gw: Gateway) -> FastAPI:
 
     @app.post("/episodes/{episode_id}/reward")
     async def reward(episode_id: str, body: RewardReport, request: Request) -> dict[str, Any]:
-        gw.mailbox(episode_id, request).reward = body.reward
+        mailbox = gw.mailbox(episode_id, request)
+        if abs(body.reward) > mailbox.max_reward:
+            bound = f"[-{mailbox.max_reward:g}, {mailbox.max_reward:g}]"
+            raise APIError(400, f"reward {body.reward:g} is outside {bound} (task.max_reward)", param="reward")
+        mailbox.reward = body.reward
         return {"reward": body.reward}
 
     @app.post("/episodes/{episode_id}/v1/chat/completions")

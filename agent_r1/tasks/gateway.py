@@ -33,6 +33,11 @@ class Options:
     """jsonl of tasks, one JSON object per line (any keys), used whole for every split"""
     timeout_s: float = 60.0
     """seconds the program may take, from its start and from each answer, to its next request or its exit"""
+    pass_env: tuple[str, ...] = ()
+    """names of the trainer's environment variables the program may inherit (beyond PATH, HOME, the locale
+    and the like): nothing else of the trainer's environment reaches it"""
+    max_reward: float = 100.0
+    """a reward the program posts must lie in [-max_reward, max_reward]; one outside is refused (400)"""
 
     def __post_init__(self) -> None:
         if self.command is not None and self.function is not None:
@@ -41,6 +46,8 @@ class Options:
             raise ValueError("task.command is empty")
         if not self.timeout_s > 0:
             raise ValueError(f"task.timeout_s must be > 0, got {self.timeout_s}")
+        if not self.max_reward > 0:
+            raise ValueError(f"task.max_reward must be > 0, got {self.max_reward}")
         for key, path in (("task.function", self.function), ("task.reward", self.reward)):
             if path is not None:
                 import_path(path, key)  # a typo fails at start, not in the first episode
@@ -59,4 +66,7 @@ def make_env(options: Options, prompt_format: PromptFormat, max_turns: int = 8) 
         raise ValueError("task=gateway needs task.command (the agent program to run) or task.function")
     program = options.command if options.command is not None else import_path(options.function, "task.function")
     reward = import_path(options.reward, "task.reward") if options.reward else None
-    return ProgramEnv(program, prompt_format, reward, timeout_s=options.timeout_s, max_turns=max_turns)
+    return ProgramEnv(
+        program, prompt_format, reward, timeout_s=options.timeout_s, max_turns=max_turns,
+        pass_env=options.pass_env, max_reward=options.max_reward,
+    )  # fmt: skip

@@ -282,3 +282,42 @@ async def test_the_turn_budget_ends_the_episode(tokenizer):
     end = await env.step(say(tokenizer, "two", "eos"))
     assert end.done and end.reward == 0.0 and end.info["termination"] == Termination.MAX_TURNS
     await env.close()
+
+
+def post_rewards_then_ask(task, base_url, api_key):
+    """Posts a reward past the episode's bound (refused, with the bound named), one within it, then asks."""
+    auth, url = {"Authorization": f"Bearer {api_key}"}, base_url.removesuffix("/v1") + "/reward"
+    refused = httpx.post(url, json={"reward": 1e300}, headers=auth)
+    kept = httpx.post(url, json={"reward": -2.5}, headers=auth)
+    ask_once(task, base_url, api_key)
+    return refused.status_code, refused.json()["error"], kept.status_code
+
+
+async def test_a_posted_reward_outside_the_tasks_bound_is_refused_naming_it(tokenizer):
+    """An agent program is untrusted: a finite 1e300 would otherwise swamp every advantage of its batch."""
+    seen = {}
+    env = ProgramEnv(
+        post_rewards_then_ask, ChatFormat(tokenizer), max_reward=10.0,
+        reward=lambda task, episode, output: seen.update(vars(output)) or output.reward,
+    )  # fmt: skip
+    await env.reset({})
+    end = await env.step(say(tokenizer, "Hi.", "eos"))
+    await env.close()
+    assert end.done and end.reward == -2.5  # the posted reward within the bound; the refused one never kept
+    status, error, kept = seen["value"]
+    assert (status, kept) == (400, 200) and error["param"] == "reward"
+    assert error["message"] == "reward 1e+300 is outside [-10, 10] (task.max_reward)"
+
+
+def test_a_program_inherits_only_what_it_needs_of_the_trainers_environment(monkeypatch):
+    """Tokens and credentials in the trainer's environment never reach a program that may run model-written
+    code; the task passes more by name."""
+    from agent_r1.gateway.env import program_env
+
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    monkeypatch.setenv("WANDB_API_KEY", "secret")
+    monkeypatch.setenv("LC_ALL", "C.UTF-8")
+    env = program_env()
+    assert "HF_TOKEN" not in env and "WANDB_API_KEY" not in env
+    assert env["PATH"] and env["LC_ALL"] == "C.UTF-8"
+    assert program_env(["HF_TOKEN"])["HF_TOKEN"] == "hf_secret" and "WANDB_API_KEY" not in program_env(["HF_TOKEN"])

@@ -432,3 +432,18 @@ async def test_a_text_only_model_refuses_images_in_one_line(client):
         r.status_code == 400
         and r.json()["error"]["message"] == f"the request has 1 image(s) but {NAME} reads text only"
     )
+
+
+@pytest.mark.parametrize(
+    ("stop", "message"),
+    [
+        ([f"s{i}" for i in range(17)], "at most 16 stop sequences, got 17"),
+        ("x" * 257, "a stop sequence is at most 256 characters, got one of 257"),
+    ],
+)
+async def test_stop_strings_are_bounded_in_number_and_length(client, stop, message):
+    """Every decoded token is checked against the stop strings on the decode thread all requests share."""
+    r = await client.post("/v1/chat/completions", json=ASK | {"stop": stop})
+    assert r.status_code == 400 and message in r.json()["error"]["message"]
+    ok = await client.post("/v1/chat/completions", json=ASK | {"stop": ["s"] * 16, "max_tokens": 2})
+    assert ok.status_code == 200
