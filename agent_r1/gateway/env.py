@@ -3,11 +3,12 @@
 `reset(task)` opens an episode on this process's gateway server (agent_r1/gateway/server.py) and starts
 the program: a command line, with `OPENAI_BASE_URL` and `OPENAI_API_KEY` set to the episode's routes and
 key and the task as JSON on its stdin (and in `AGENT_R1_TASK`), or a Python function
-`fn(task, base_url, api_key)` run in a thread. The program's first chat request, rendered with the
-model's chat template, is the first observation. Each `step(action)` sends the sampled answer back as
-that request's chat.completion (content, and `tool_calls` parsed from the hermes `<tool_call>` blocks)
-and waits for the program's next request (the next observation) or its exit (the end of the episode,
-with the reward).
+`fn(task, base_url, api_key)` run in a thread. The program is given the task's `task_fields` only (by
+default its question): the answer stays with the reward function, out of reach of model-written code.
+The program's first chat request, rendered with the model's chat template, is the first observation.
+Each `step(action)` sends the sampled answer back as that request's chat.completion (content, and
+`tool_calls` parsed from the hermes `<tool_call>` blocks) and waits for the program's next request (the
+next observation) or its exit (the end of the episode, with the reward).
 
 Token-exact across turns: when the next request repeats the previous one's messages and the answer the
 gateway gave, the next prompt is the previous prompt + the sampled ids + the chat template's delta of
@@ -108,9 +109,11 @@ class ProgramEnv(Env):
         cwd: str | None = None,
         pass_env: Sequence[str] = (),
         max_reward: float = 100.0,
+        task_fields: Sequence[str] = ("question",),
     ) -> None:
         """`env`: variables set for a command; `pass_env`: names of the trainer's own it may inherit beyond
-        `INHERITED_ENV`; `max_reward`: a posted reward outside [-max_reward, max_reward] is refused (4xx)."""
+        `INHERITED_ENV`; `max_reward`: a posted reward outside [-max_reward, max_reward] is refused (4xx);
+        `task_fields`: the task's fields the program is given (the reward function gets them all)."""
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         if not timeout_s > 0:
@@ -127,7 +130,7 @@ class ProgramEnv(Env):
         self.timeout_s = timeout_s  # seconds the program may take to its next request or its exit
         self.max_turns = max_turns
         self.extra_env = dict(env or {})  # more environment variables for a command
-        self.pass_env = tuple(pass_env)
+        self.pass_env, self.task_fields = tuple(pass_env), tuple(task_fields)
         if not max_reward > 0:
             raise ValueError(f"max_reward must be > 0, got {max_reward}")
         self.max_reward = max_reward
@@ -153,7 +156,7 @@ class ProgramEnv(Env):
         self.mailbox = self.gateway.open()
         self.mailbox.max_reward = self.max_reward
         self.base_url, self.api_key = self.gateway.base_url(self.mailbox), self.mailbox.token
-        await self._start(task)
+        await self._start({k: task[k] for k in self.task_fields if k in task})  # the answer stays with the reward
         event = await self._wait(render=True)
         if isinstance(event, _Exit):
             raise ProgramError(self._failure(event))
@@ -463,6 +466,7 @@ class ProgramEnvFactory:
     cwd: str | None = None
     pass_env: tuple[str, ...] = ()  # the trainer's variables a command may inherit beyond INHERITED_ENV
     max_reward: float = 100.0  # a posted reward outside [-max_reward, max_reward] is refused
+    task_fields: tuple[str, ...] = ("question",)  # the task's fields the program is given
 
     def __post_init__(self) -> None:
         if (self.command is None) == (self.function is None):
@@ -480,7 +484,7 @@ class ProgramEnvFactory:
         return ProgramEnv(
             self.command if self.command is not None else fn, fmt,
             reward, timeout_s=self.timeout_s, max_turns=self.max_turns, env=dict(self.env), cwd=self.cwd,
-            pass_env=self.pass_env, max_reward=self.max_reward,
+            pass_env=self.pass_env, max_reward=self.max_reward, task_fields=self.task_fields,
         )  # fmt: skip
 
 

@@ -38,6 +38,9 @@ class Options:
     and the like): nothing else of the trainer's environment reaches it"""
     max_reward: float = 100.0
     """a reward the program posts must lie in [-max_reward, max_reward]; one outside is refused (400)"""
+    task_fields: tuple[str, ...] = ("question",)
+    """the task's fields the program is given (stdin, AGENT_R1_TASK, a function's task); the reward
+    function gets them all, so the answer need not reach the program"""
 
     def __post_init__(self) -> None:
         if self.command is not None and self.function is not None:
@@ -68,5 +71,5 @@ def make_env(options: Options, prompt_format: PromptFormat, max_turns: int = 8) 
     reward = import_path(options.reward, "task.reward") if options.reward else None
     return ProgramEnv(
         program, prompt_format, reward, timeout_s=options.timeout_s, max_turns=max_turns,
-        pass_env=options.pass_env, max_reward=options.max_reward,
+        pass_env=options.pass_env, max_reward=options.max_reward, task_fields=options.task_fields,
     )  # fmt: skip

@@ -166,3 +166,29 @@ def test_n_samples_are_the_engines_and_the_step_is_the_one_the_program_went_on_f
     # decoded as one batch, whose fp32 sums run in another order than the trainer's single row: 2e-4
     drift = recompute_old_logprobs(tool_model, rows, 1024, 1.0)
     assert drift["logprob_drift_max"] <= 2e-4, drift
+
+
+def report_what_it_was_given(task, base_url, api_key):
+    """Asks once, then returns the task it was given and the AGENT_R1_TASK it would see as a command."""
+    OpenAI(base_url=base_url, api_key=api_key, max_retries=0).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": task["question"]}]
+    )
+    return dict(task)
+
+
+@pytest.mark.parametrize(("fields", "given"), [((), None), (("question", "answer"), {"answer": 42})])
+def test_the_program_gets_only_the_tasks_fields_it_is_given(engine, tokenizer, fields, given):
+    """The answer stays with the reward function unless the task passes it: model-written code in a coding
+    harness could otherwise read it and print it."""
+    seen = {}
+
+    def reward(task, episode, output):
+        seen.update(task=task, value=output.value)
+        return 0.0
+
+    kw = {"task_fields": fields} if fields else {}
+    factory = ProgramEnvFactory(tokenizer, function=report_what_it_was_given, reward=reward, **kw)
+    (traj,) = AgentEnvLoop(engine, factory, SamplingParams(max_new_tokens=4)).run_sync([TASK])
+    assert traj.termination != Termination.ERROR, traj.error
+    assert seen["task"] == TASK  # the reward function judges against the whole task
+    assert seen["value"] == {"question": TASK["question"]} | (given or {})
