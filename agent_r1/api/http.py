@@ -1,10 +1,14 @@
 """The HTTP plumbing of agent-r1's OpenAI-compatible servers (`agent-r1 serve` and the gateway): every failure
-as an OpenAI-style `{"error": {...}}` body, a request-body size limit, and server-sent events."""
+as an OpenAI-style `{"error": {...}}` body, a request-body size limit, server-sent events, and rendering
+prompts off the event loop."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,6 +18,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.types import Message as ASGIMessage
 
 from agent_r1.api.schema import APIError
+
+_RENDER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="agent-r1-tokenize")
+
+
+async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run fn (rendering and tokenizing a prompt) in a thread: a prompt of megabytes takes seconds, and on
+    the event loop it would freeze every stream, health check and (in the gateway) every other episode
+    of the rollout meanwhile. The pool is its own, so it never takes the threads the engine decodes in."""
+    return await asyncio.get_running_loop().run_in_executor(_RENDER, fn, *args)
 
 
 def install_error_handlers(app: FastAPI, max_request_bytes: int) -> None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent_r1.api import bodies
+from agent_r1.api.http import off_loop
 from agent_r1.api.messages import chat_result, check_unicode, forced_call, template_messages, tool_schemas
 from agent_r1.api.schema import APIError, ChatMessage
 from agent_r1.env.base import Env, StepResult
@@ -287,7 +288,7 @@ class ProgramEnv(Env):
             if isinstance(event, _Exit) or not render:
                 return event
             try:
-                return self._observe(event)
+                return await off_loop(self._observe, event)  # other episodes go on meanwhile
             except APIError as exc:
                 event.reply(exc)
 

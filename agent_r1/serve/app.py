@@ -29,8 +29,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Collection
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +37,7 @@ from fastapi import FastAPI, Request
 from transformers import PreTrainedTokenizerBase
 
 from agent_r1.api import bodies
-from agent_r1.api.http import install_error_handlers, sse
+from agent_r1.api.http import install_error_handlers, off_loop, sse
 from agent_r1.api.messages import chat_result, check_unicode, forced_call, template_messages, tool_schemas
 from agent_r1.api.schema import APIError, ChatCompletionRequest, CompletionRequest, LoadWeightsRequest
 from agent_r1.engines.protocol import Engine, GenerateOutput, SamplingParams
@@ -100,7 +99,7 @@ class _API:
         calls_format = self.s.prompt_format.tool_format
         forced = forced_call(body.tool_choice, tools, calls_format)  # a forced call's opening ends the prompt
         messages = template_messages(body.messages, tools, self.s.prompt_format)
-        prompt, images = await _off_loop(self._chat_prompt, messages, tools)
+        prompt, images = await off_loop(self._chat_prompt, messages, tools)
         prompt = prompt + (self.s.tokenizer.encode(forced, add_special_tokens=False) if forced else [])
         stops = body.stops + tuple(self.s.prompt_format.stop)
         max_tokens = self._budget(len(prompt), body.max_completion_tokens or body.max_tokens, "messages")
@@ -131,7 +130,7 @@ class _API:
         self._check_model(body.model)
         check_unicode(body)
         self._check_rows(body)
-        prompts = await _off_loop(self._prompt_ids, body.prompt)
+        prompts = await off_loop(self._prompt_ids, body.prompt)
         longest = max(len(p) for p in prompts)
         self._budget(longest, body.max_tokens, "prompt")
         params = SamplingParams(
@@ -376,13 +375,3 @@ async def _disconnected(request: Request) -> None:
     """Return once the client has gone (the body is already read, so only a disconnect arrives)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-_TOKENIZE = ThreadPoolExecutor(max_workers=2, thread_name_prefix="agent-r1-tokenize")
-
-
-async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run fn (rendering and tokenizing a prompt) in a thread: a prompt of megabytes takes seconds, and
-    on the event loop it would freeze every stream and health check meanwhile. The pool is its own, so
-    it never takes the threads the engine decodes in."""
-    return await asyncio.get_running_loop().run_in_executor(_TOKENIZE, fn, *args)

@@ -321,3 +321,37 @@ def test_a_program_inherits_only_what_it_needs_of_the_trainers_environment(monke
     assert "HF_TOKEN" not in env and "WANDB_API_KEY" not in env
     assert env["PATH"] and env["LC_ALL"] == "C.UTF-8"
     assert program_env(["HF_TOKEN"])["HF_TOKEN"] == "hf_secret" and "WANDB_API_KEY" not in program_env(["HF_TOKEN"])
+
+
+async def test_a_request_renders_off_the_event_loop_so_other_episodes_go_on(tokenizer, monkeypatch):
+    """Rendering and tokenizing a long request takes time: on the rollout's event loop it would stall every
+    other episode meanwhile. A render slowed to 0.5 s (a blocking sleep) leaves the loop ticking."""
+    import asyncio
+    import time
+
+    from agent_r1.gateway import env as env_module
+
+    observe = env_module.ProgramEnv._observe
+
+    def slow_observe(self, call):
+        time.sleep(0.5)
+        return observe(self, call)
+
+    monkeypatch.setattr(env_module.ProgramEnv, "_observe", slow_observe)
+    ticks = 0
+
+    async def tick():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticker = asyncio.create_task(tick())
+    env = ProgramEnv(ask_once, ChatFormat(tokenizer))
+    try:
+        obs = await env.reset({})
+    finally:
+        ticker.cancel()
+    await env.step(say(tokenizer, "Hi.", "eos"))
+    await env.close()
+    assert obs.token_ids and ticks >= 20  # ~50 ticks while it rendered; none if it had blocked the loop
