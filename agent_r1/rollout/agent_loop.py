@@ -142,7 +142,7 @@ class AgentEnvLoop:
         finally:
             if cohort is not None:
                 cohort.leave()
-            if env is not None and isinstance(env, Env):
+            if isinstance(env, Env):
                 with contextlib.suppress(Exception):
                     await env.close()
         try:

@@ -190,12 +190,14 @@ class Producer:
         self._notify_producer()
         groups: list[Group] = []
         left_out: collections.Counter[str] = collections.Counter()
+        uniform = 0  # groups without a signal taken once the step's dynamic-sampling budget was spent
         while len(groups) < self.tasks_per_step:
             group = self._next_ready()
             why = self._unusable(group)
-            looked = len(groups) + sum(left_out.values())
-            if why is None and self.signal and looked < self.max_draws * self.tasks_per_step:
-                why = None if self.signal(group.trajs) else ("no_signal", "")
+            if why is None and self.signal and not self.signal(group.trajs):
+                looked = len(groups) + sum(left_out.values())
+                why = ("no_signal", "") if looked < self.max_draws * self.tasks_per_step else None
+                uniform += why is None
             if why is None:
                 groups.append(group)
                 self._unusable_in_a_row = 0
@@ -217,7 +219,7 @@ class Producer:
             self.runner.idle()  # lockstep: nothing rolls out during the update
         release_memory()  # the rollout's freed blocks go back to the OS, not to a heap the update fragments
         self._dropped += left_out["stale"]
-        return [t for g in groups for t in g.trajs], self._metrics(groups, left_out)
+        return [t for g in groups for t in g.trajs], self._metrics(groups, left_out, uniform)
 
     def _unusable(self, group: Group) -> tuple[str, str] | None:
         """Why `group` cannot be trained on (a key and a reason), or None."""
@@ -360,14 +362,13 @@ class Producer:
         if self._aloop is not None and self._wake is not None:
             self._aloop.call_soon_threadsafe(self._wake.set)
 
-    def _metrics(self, groups: list[Group], left_out: collections.Counter[str]) -> dict[str, float]:
+    def _metrics(self, groups: list[Group], left_out: collections.Counter[str], uniform: int) -> dict[str, float]:
         """What was left out; with k > 0 how stale the batch is (per token: the trainer's version less the
         one that sampled it) and how many episodes span versions."""
         out = {"rollout/errored_groups": float(left_out["errored"])}
         if self.signal:
-            looked = len(groups) + sum(left_out.values())
-            out |= {"dynamic_sampling/groups_drawn": float(looked), "dynamic_sampling/groups_kept": float(
-                sum(self.signal(g.trajs) for g in groups))}  # fmt: skip
+            out["dynamic_sampling/groups_drawn"] = float(len(groups) + sum(left_out.values()))
+            out["dynamic_sampling/groups_kept"] = float(len(groups) - uniform)
         if left_out["old_stage"]:
             out["curriculum/left_out_groups"] = float(left_out["old_stage"])
         if not self.max_staleness:
