@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.types import Message as ASGIMessage
 
+from agent_r1.api import anthropic, responses
 from agent_r1.api.schema import APIError
 
 _RENDER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="agent-r1-tokenize")
@@ -35,20 +36,21 @@ def install_error_handlers(app: FastAPI, max_request_bytes: int) -> None:
     app.add_middleware(BodyLimit, limit=max_request_bytes)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(exc))
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc), request.url.path)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(exc.error if isinstance(exc, TooLarge) else APIError(exc.status_code, str(exc.detail)))
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        err = exc.error if isinstance(exc, TooLarge) else APIError(exc.status_code, str(exc.detail))
+        return error_response(err, request.url.path)
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(server_error(exc))
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(server_error(exc), request.url.path)
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
@@ -62,27 +64,43 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{loc}: {first.get('msg', 'invalid value')}", param=loc)
 
 
-def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+def error_response(err: APIError, path: str = "") -> JSONResponse:
+    """The error in the protocol of the route it answers: Anthropic's body on the Messages routes, else OpenAI's."""
+    body = anthropic.error_body(err) if is_messages(path) else err.body()
+    return JSONResponse(body, status_code=err.status)
+
+
+def is_messages(path: str) -> bool:
+    """Whether `path` is an Anthropic Messages route (`/v1/messages`, `/v1/messages/count_tokens`)."""
+    return path.endswith(("/v1/messages", "/v1/messages/count_tokens"))
 
 
 def server_error(exc: Exception) -> APIError:
     return APIError(500, f"{type(exc).__name__}: {exc}"[:500], type="server_error")
 
 
-def sse(events: AsyncIterator[dict]) -> StreamingResponse:
-    """Server-sent events: one `data: {json}` per event, an error event if generation fails or times
-    out midway (the status line is already sent), then `data: [DONE]`."""
+def sse(events: AsyncIterator[dict], protocol: str = "chat") -> StreamingResponse:
+    """Server-sent events. Chat and completions (`protocol="chat"`): one `data: {json}` per event, an error
+    event if generation fails or times out midway (the status line is already sent), then `data: [DONE]`.
+    Anthropic Messages and OpenAI Responses ("messages", "responses"): each event named by its `type`
+    (`event: message_start`), their own error event, no [DONE]."""
+
+    def line(event: dict) -> str:
+        named = f"event: {event['type']}\n" if protocol != "chat" else ""
+        return f"{named}data: {json.dumps(event)}\n\n"
+
+    failed = {"chat": APIError.body, "messages": anthropic.error_body, "responses": responses.error_event}[protocol]
 
     async def body() -> AsyncIterator[str]:
         try:
             async for event in events:
-                yield f"data: {json.dumps(event)}\n\n"
+                yield line(event)
         except APIError as exc:
-            yield f"data: {json.dumps(exc.body())}\n\n"
+            yield line(failed(exc))
         except Exception as exc:  # the engine failed mid-stream: tell this client, keep serving the rest
-            yield f"data: {json.dumps(server_error(exc).body())}\n\n"
-        yield "data: [DONE]\n\n"
+            yield line(failed(server_error(exc)))
+        if protocol == "chat":
+            yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -100,7 +118,8 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length", b"0")
         if length.isdigit() and int(length) > self.limit:
-            return await error_response(self._too_large(f"{int(length)} bytes"))(scope, receive, send)
+            too_large = error_response(self._too_large(f"{int(length)} bytes"), scope.get("path", ""))
+            return await too_large(scope, receive, send)
         seen = 0
 
         async def counted() -> ASGIMessage:

@@ -32,6 +32,17 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def bounded_stops(cls: type, stop: str | list[str] | None) -> str | list[str] | None:
+    """Stop strings are checked against every decoded token on the engine's decode thread, which all requests
+    share: a client may not make that check arbitrarily long (chat `stop`, Messages `stop_sequences`)."""
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if len(stops) > MAX_STOPS:
+        raise ValueError(f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
+    if longest := max((len(x) for x in stops if len(x) > MAX_STOP_CHARS), default=0):
+        raise ValueError(f"a stop sequence is at most {MAX_STOP_CHARS} characters, got one of {longest}")
+    return stop
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -44,17 +55,7 @@ class _Request(BaseModel):
     stream: bool = False
     return_token_ids: bool = False  # vLLM: put sampled (and prompt) token ids in the response
 
-    @field_validator("stop")
-    @classmethod
-    def _bounded(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        """Stop strings are checked against every decoded token on the engine's decode thread, which all
-        requests share: a client may not make that check arbitrarily long."""
-        stops = [stop] if isinstance(stop, str) else stop or []
-        if len(stops) > MAX_STOPS:
-            raise ValueError(f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
-        if longest := max((len(x) for x in stops if len(x) > MAX_STOP_CHARS), default=0):
-            raise ValueError(f"a stop sequence is at most {MAX_STOP_CHARS} characters, got one of {longest}")
-        return stop
+    _bounded = field_validator("stop")(bounded_stops)
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -104,6 +105,7 @@ class ChatCompletionRequest(_Request):
     n: int = Field(1, ge=1)  # answers sampled from the same prompt, each with its own seed (seed + k)
     logprobs: bool = False
     response_format: dict[str, Any] | None = None  # {"type": "text"} only: no constrained decoding
+    stream_options: dict[str, Any] | None = None  # {"include_usage": true}: a last chunk with the usage
 
 
 class CompletionRequest(_Request):

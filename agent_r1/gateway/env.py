@@ -1,11 +1,14 @@
-"""`ProgramEnv`: an agent program written against the OpenAI API, run unchanged as an agent-r1 environment.
+"""`ProgramEnv`: an agent program written against the OpenAI or Anthropic API, run unchanged as an agent-r1
+environment.
 
 `reset(task)` opens an episode on this process's gateway server (agent_r1/gateway/server.py) and starts
-the program: a command line, with `OPENAI_BASE_URL` and `OPENAI_API_KEY` set to the episode's routes and
-key and the task as JSON on its stdin (and in `AGENT_R1_TASK`), or a Python function
+the program: a command line, with `OPENAI_BASE_URL` / `ANTHROPIC_BASE_URL` and `OPENAI_API_KEY` /
+`ANTHROPIC_API_KEY` set to the episode's routes and key and the task as JSON on its stdin (and in
+`AGENT_R1_TASK`), or a Python function
 `fn(task, base_url, api_key)` run in a thread. The program is given the task's `task_fields` only (by
 default its question): the answer stays with the reward function, out of reach of model-written code.
-The program's first chat request, rendered with the model's chat template, is the first observation.
+The program's first request (chat completions, Messages or Responses: each is the chat request it means),
+rendered with the model's chat template, is the first observation.
 Each `step(action)` sends the sampled answer back as that request's chat.completion (content, and
 `tool_calls` parsed from the hermes `<tool_call>` blocks) and waits for the program's next request (the
 next observation) or its exit (the end of the episode, with the reward).
@@ -155,7 +158,7 @@ class ProgramEnv(Env):
         self.merged = False
         self.gateway: Gateway = await asyncio.to_thread(gateway)  # started on first use
         self.mailbox = self.gateway.open()
-        self.mailbox.max_reward = self.max_reward
+        self.mailbox.max_reward, self.mailbox.count_tokens = self.max_reward, self._count_tokens
         self.base_url, self.api_key = self.gateway.base_url(self.mailbox), self.mailbox.token
         await self._start({k: task[k] for k in self.task_fields if k in task})  # the answer stays with the reward
         event = await self._wait(render=True)
@@ -226,6 +229,8 @@ class ProgramEnv(Env):
             return
         env = program_env(self.pass_env) | self.extra_env
         env["OPENAI_BASE_URL"], env["OPENAI_API_KEY"] = self.base_url, self.api_key
+        # Anthropic's SDK appends /v1/messages to its base URL itself
+        env["ANTHROPIC_BASE_URL"], env["ANTHROPIC_API_KEY"] = self.base_url.removesuffix("/v1"), self.api_key
         env["AGENT_R1_EPISODE"], env["AGENT_R1_REWARD_URL"] = self.mailbox.id, self.gateway.reward_url(self.mailbox)
         no_proxy = env.get("NO_PROXY") or env.get("no_proxy")  # an HTTP proxy must not swallow 127.0.0.1
         env["NO_PROXY"] = env["no_proxy"] = ",".join(filter(None, [no_proxy, "127.0.0.1", "localhost"]))
@@ -328,6 +333,12 @@ class ProgramEnv(Env):
         one_call = tools and not body.parallel_tool_calls  # stop after the first call, as ToolEnv does
         self.stop = (self.format.tool_format.stop if one_call else ()) + body.stops + tuple(self.format.stop)
         return Observation(token_ids=list(ids), images=list(images))
+
+    def _count_tokens(self, body: Any) -> int:
+        """The length of `body`'s prompt rendered afresh (Anthropic's count_tokens); the episode is untouched."""
+        tools = tool_schemas(body.tools) if body.tools and body.tool_choice != "none" else []
+        fmt = self.format.with_tools(tools) if self.format.native_tools and tools else self.format
+        return len(fmt.initial(template_messages(body.messages, tools, self.format)))
 
     def _new_messages(
         self, messages: list[ChatMessage], tools_key: str, tools: bool

@@ -1,6 +1,9 @@
 """The gateway's HTTP side: one OpenAI-compatible server per process, with routes scoped to an episode.
 
     POST /episodes/{episode_id}/v1/chat/completions   the agent program asks the policy (one request at a time)
+    POST /episodes/{episode_id}/v1/messages           the same, in Anthropic's Messages API
+    POST /episodes/{episode_id}/v1/messages/count_tokens
+    POST /episodes/{episode_id}/v1/responses          the same, in OpenAI's Responses API
     GET  /episodes/{episode_id}/v1/models             one model card (any model name is accepted)
     POST /episodes/{episode_id}/reward                the program reports its reward: {"reward": float}
     GET  /health
@@ -9,7 +12,11 @@ The server is started on first use, on 127.0.0.1 and a free port, in a daemon th
 loop, and is shared by every episode of the process. It does no model work: a chat request is checked
 (episode, API key, `n`, one request in flight) and handed to the episode's `ProgramEnv`
 through its `Mailbox`. The env renders it into the next observation, the rollout loop samples, and the
-env's answer is what this request returns. Every failure is an OpenAI-style `{"error": {...}}` body.
+env's answer is what this request returns. A Messages or Responses request is the chat request it means
+(agent_r1/api/anthropic.py, responses.py), so every protocol is one step of the same kind and merges the
+same way; `previous_response_id` refers to the episode's own responses only. Every failure is an error body
+in the route's protocol (Anthropic's on the Messages routes, OpenAI's elsewhere). The program's key is
+accepted as a bearer token (OpenAI SDK) or as `x-api-key` (Anthropic SDK).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +39,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from agent_r1.api import bodies
-from agent_r1.api.http import install_error_handlers, sse
+from agent_r1.api import anthropic, bodies, responses
+from agent_r1.api.http import install_error_handlers, off_loop, sse
+from agent_r1.api.responses import ResponseStore
 from agent_r1.api.schema import APIError, ChatCompletionRequest
 
 MODEL_NAME = "agent-r1-policy"  # what /v1/models lists; a request may name any model, it is the policy either way
@@ -45,7 +54,6 @@ class GatewayChatRequest(ChatCompletionRequest):
     the reward judges it."""
 
     n: int = 1
-    stream_options: dict[str, Any] | None = None  # {"include_usage": true}: a last chunk with the usage
 
 
 class RewardReport(BaseModel):
@@ -79,6 +87,8 @@ class Mailbox:
     reward: float | None = None  # the last reward the program posted
     max_reward: float = math.inf  # a posted reward beyond +-this is refused (the task's bound)
     closed: bool = False  # the env closed the episode (read and written on the env's loop only)
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(256))  # this episode's, by id
+    count_tokens: Callable[[GatewayChatRequest], int] | None = None  # the env's rendering, for count_tokens
 
     def put(self, event: Any) -> bool:
         """Deliver `event` to the env from any thread; False once the env's loop is gone."""
@@ -147,9 +157,11 @@ class Gateway:
                 404, f"unknown episode {episode_id!r}: it has ended or never existed", code="episode_not_found"
             )
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip(), mailbox.token):
+        key = key.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
+        if not secrets.compare_digest(key.encode(), mailbox.token.encode()):
             raise APIError(
-                401, f"wrong API key for episode {episode_id!r}: send the OPENAI_API_KEY the gateway gave the program",
+                401, f"wrong API key for episode {episode_id!r}: send the key the gateway gave the program "
+                "(OPENAI_API_KEY as a bearer token, or ANTHROPIC_API_KEY as x-api-key)",
                 type="authentication_error", code="invalid_api_key",
             )  # fmt: skip
         return mailbox
@@ -191,13 +203,12 @@ def create_app(gw: Gateway) -> FastAPI:
         mailbox.reward = body.reward
         return {"reward": body.reward}
 
-    @app.post("/episodes/{episode_id}/v1/chat/completions")
-    async def chat(episode_id: str, body: GatewayChatRequest, request: Request) -> Any:
-        mailbox = gw.mailbox(episode_id, request)
+    async def ask(mailbox: Mailbox, body: GatewayChatRequest) -> dict[str, Any]:
+        """The policy's chat.completion for `body`: the episode's next step."""
         _check(body)
         if mailbox.busy:
             raise APIError(
-                409, f"episode {episode_id!r} already has a chat request in flight: an episode asks the policy one "
+                409, f"episode {mailbox.id!r} already has a chat request in flight: an episode asks the policy one "
                 "request at a time (each request is one step), so wait for the answer before sending the next",
                 code="request_in_flight",
             )  # fmt: skip
@@ -205,15 +216,54 @@ def create_app(gw: Gateway) -> FastAPI:
         mailbox.busy = True
         try:
             if not mailbox.put(call):
-                raise APIError(404, f"unknown episode {episode_id!r}: it has ended", code="episode_not_found")
+                raise APIError(404, f"unknown episode {mailbox.id!r}: it has ended", code="episode_not_found")
             result = await asyncio.wrap_future(call.answer)
         finally:
             mailbox.busy = False
         if isinstance(result, APIError):
             raise result
+        return result
+
+    @app.post("/episodes/{episode_id}/v1/chat/completions")
+    async def chat(episode_id: str, body: GatewayChatRequest, request: Request) -> Any:
+        result = await ask(gw.mailbox(episode_id, request), body)
         if not body.stream:
             return result
         return sse(bodies.chat_chunks(result, bool((body.stream_options or {}).get("include_usage"))))
+
+    @app.post("/episodes/{episode_id}/v1/messages")
+    async def messages(episode_id: str, body: anthropic.MessagesRequest, request: Request) -> Any:
+        mailbox = gw.mailbox(episode_id, request)
+        result = await ask(mailbox, anthropic.to_chat(body, GatewayChatRequest))
+        if not body.stream:
+            return anthropic.message(result)
+        events = anthropic.events(bodies.chat_chunks(result, True), result["model"], result["usage"]["prompt_tokens"])
+        return sse(events, "messages")
+
+    @app.post("/episodes/{episode_id}/v1/messages/count_tokens")
+    async def count_tokens(episode_id: str, body: anthropic.CountTokensRequest, request: Request) -> dict[str, int]:
+        mailbox = gw.mailbox(episode_id, request)
+        if mailbox.count_tokens is None:
+            raise APIError(503, f"episode {episode_id!r} is not ready to count tokens yet")
+        return {"input_tokens": await off_loop(mailbox.count_tokens, anthropic.to_chat(body, GatewayChatRequest))}
+
+    @app.post("/episodes/{episode_id}/v1/responses")
+    async def responses_(episode_id: str, body: responses.ResponsesRequest, request: Request) -> Any:
+        mailbox = gw.mailbox(episode_id, request)
+        history = mailbox.responses.history(body.previous_response_id)
+        result = await ask(mailbox, responses.to_chat(body, history, GatewayChatRequest, MODEL_NAME))
+        response_id = responses.new_id()
+
+        def keep(output: list[dict[str, Any]]) -> None:
+            if body.store:
+                mailbox.responses.put(response_id, [*history, *responses.input_items(body), *output])
+
+        if body.stream:
+            chunks = bodies.chat_chunks(result, True)
+            return sse(responses.events(chunks, body, response_id, result["model"], keep), "responses")
+        answer = responses.from_completion(body, response_id, result)
+        keep(answer["output"])
+        return answer
 
     return app
 

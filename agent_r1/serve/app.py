@@ -7,6 +7,9 @@
   end of the prompt and the model samples the rest (`messages.forced_call`); `n` samples that many
   answers, each with its own seed; `response_format` other than text is a 400 (no constrained decoding).
   `stream=true` sends server-sent events.
+* `/v1/messages` (Anthropic Messages, with `/v1/messages/count_tokens`) and `/v1/responses` (OpenAI
+  Responses, with `previous_response_id` over the responses this server stored) are the chat request they
+  mean (agent_r1/api/anthropic.py, responses.py), answered in their own bodies and event streams.
 * `/v1/completions` takes token ids and returns token ids and log-probs (vLLM's field names), so
   `RemoteEngine` can drive it exactly like vLLM.
 * `/v1/load_weights` swaps in new weights from a safetensors file between two batches (the engine's
@@ -36,7 +39,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from transformers import PreTrainedTokenizerBase
 
-from agent_r1.api import bodies
+from agent_r1.api import anthropic, bodies, responses
 from agent_r1.api.http import install_error_handlers, off_loop, sse
 from agent_r1.api.messages import chat_result, check_unicode, forced_call, template_messages, tool_schemas
 from agent_r1.api.schema import APIError, ChatCompletionRequest, CompletionRequest, LoadWeightsRequest
@@ -73,6 +76,9 @@ def create_app(served: ServedModel) -> FastAPI:
     app.get("/health")(lambda: {"status": "ok", "generating": api.generating})
     app.get("/v1/models")(api.models)
     app.post("/v1/chat/completions")(api.chat)
+    app.post("/v1/messages")(api.messages)
+    app.post("/v1/messages/count_tokens")(api.count_tokens)
+    app.post("/v1/responses")(api.responses)
     app.post("/v1/completions")(api.completions)
     app.post("/v1/load_weights")(api.load_weights)
     return app
@@ -84,6 +90,7 @@ class _API:
         self.eos_ids = set(served.eos_ids)
         self._loading = asyncio.Lock()  # one weight load at a time: one extra copy of the weights in memory
         self.generating = 0  # requests queued or decoding; /health shows it, so a leaked one is visible
+        self.stored = responses.ResponseStore()  # what a Responses request's previous_response_id refers to
 
     # --- endpoints -----------------------------------------------------------------------------------
     async def models(self) -> dict[str, Any]:
@@ -92,15 +99,46 @@ class _API:
         return bodies.model_list({"id": s.name, "created": s.created} | extra)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
+        _, result = await self._chat(body, request)
+        return sse(result) if body.stream else result
+
+    async def messages(self, body: anthropic.MessagesRequest, request: Request) -> Any:
+        """Anthropic Messages: the chat request it means, answered as a Message or Anthropic's event stream."""
+        chat = anthropic.to_chat(body, ChatCompletionRequest)
+        prompt_tokens, result = await self._chat(chat, request)
+        if body.stream:
+            return sse(anthropic.events(result, self.s.name, prompt_tokens), "messages")
+        return anthropic.message(result)
+
+    async def count_tokens(self, body: anthropic.CountTokensRequest) -> dict[str, int]:
+        """The prompt's length in tokens, rendered as /v1/messages would render it."""
+        prompt, *_ = await self._chat_input(anthropic.to_chat(body, ChatCompletionRequest))
+        return {"input_tokens": len(prompt)}
+
+    async def responses(self, body: responses.ResponsesRequest, request: Request) -> Any:
+        """OpenAI Responses: the chat request that the stored conversation + the input items mean; the answer
+        is stored (`store`) for a later `previous_response_id`."""
+        history = self.stored.history(body.previous_response_id)
+        chat = responses.to_chat(body, history, ChatCompletionRequest, self.s.name)
+        response_id = responses.new_id()
+
+        def keep(output: list[dict[str, Any]]) -> None:
+            if body.store:
+                self.stored.put(response_id, [*history, *responses.input_items(body), *output])
+
+        _, result = await self._chat(chat, request)
+        if body.stream:
+            return sse(responses.events(result, body, response_id, self.s.name, keep), "responses")
+        answer = responses.from_completion(body, response_id, result)
+        keep(answer["output"])
+        return answer
+
+    async def _chat(self, body: ChatCompletionRequest, request: Request) -> tuple[int, Any]:
+        """(prompt tokens, the chat.completion or, streaming, its chunks) of a chat request."""
         self._check_model(body.model)
         self._check_chat(body)
-        check_unicode(body)
-        tools = tool_schemas(body.tools) if body.tools and body.tool_choice != "none" else []
+        prompt, images, tools, forced = await self._chat_input(body)
         calls_format = self.s.prompt_format.tool_format
-        forced = forced_call(body.tool_choice, tools, calls_format)  # a forced call's opening ends the prompt
-        messages = template_messages(body.messages, tools, self.s.prompt_format)
-        prompt, images = await off_loop(self._chat_prompt, messages, tools)
-        prompt = prompt + (self.s.tokenizer.encode(forced, add_special_tokens=False) if forced else [])
         stops = body.stops + tuple(self.s.prompt_format.stop)
         max_tokens = self._budget(len(prompt), body.max_completion_tokens or body.max_tokens, "messages")
         one_call = tools and not body.parallel_tool_calls
@@ -111,7 +149,8 @@ class _API:
         head = bodies.head("chat", self.s.name)
         rows = [prompt] * body.n  # choice k is sampled with seed + k (the engine's), as vLLM's n
         if body.stream:
-            return sse(self._chat_events(head, rows, images, params, stops, tools, forced))
+            usage = bool((body.stream_options or {}).get("include_usage"))
+            return len(prompt), self._chat_events(head, rows, images, params, stops, tools, forced, usage)
         outs = await self._generate(request, rows, params, images)
         choices = []
         for k, out in enumerate(outs):
@@ -124,7 +163,17 @@ class _API:
         response = bodies.chat_completion(head, choices, *_usage(rows, outs))
         if body.return_token_ids:
             response["prompt_token_ids"] = prompt
-        return response
+        return len(prompt), response
+
+    async def _chat_input(self, body: ChatCompletionRequest) -> tuple[list[int], list[Image], list[dict], str]:
+        """(prompt ids, images, tools, forced opening) of a chat request; a 400 names what is wrong in it."""
+        check_unicode(body)
+        tools = tool_schemas(body.tools) if body.tools and body.tool_choice != "none" else []
+        forced = forced_call(body.tool_choice, tools, self.s.prompt_format.tool_format)  # it ends the prompt
+        messages = template_messages(body.messages, tools, self.s.prompt_format)
+        prompt, images = await off_loop(self._chat_prompt, messages, tools)
+        prompt = prompt + (self.s.tokenizer.encode(forced, add_special_tokens=False) if forced else [])
+        return prompt, images, tools, forced
 
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         self._check_model(body.model)
@@ -281,10 +330,10 @@ class _API:
 
     async def _chat_events(
         self, head: dict, rows: list[list[int]], images: list[Image], params: SamplingParams,
-        stops: tuple[str, ...], tools: list[dict], forced: str,
+        stops: tuple[str, ...], tools: list[dict], forced: str, include_usage: bool,
     ) -> AsyncIterator[dict]:  # fmt: skip
         """Each choice's content as it is sampled (none inside a call, nor after a forced call's opening),
-        then its tool calls, whole, with its finish reason."""
+        then its tool calls, whole, with its finish reason; with `include_usage`, a last chunk with the usage."""
 
         for k in range(len(rows)):
             yield bodies.chat_chunk(head, k, {"role": "assistant", "content": ""})
@@ -299,6 +348,8 @@ class _API:
         for k, out in enumerate(outs):
             content, calls, finish = chat_result(forced + out.text, stops, tools, out.finish_reason, calls_format)
             yield bodies.chat_chunk(head, k, bodies.last_delta(texts[k].finish(content or ""), calls), finish)
+        if include_usage:
+            yield head | {"object": "chat.completion.chunk", "choices": [], "usage": bodies.usage(*_usage(rows, outs))}
 
     async def _completion_events(
         self, head: dict, rows: list[list[int]], params: SamplingParams, body: CompletionRequest
