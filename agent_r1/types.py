@@ -136,7 +136,7 @@ class Trajectory:
 
 @dataclass
 class TrainSequence:
-    """One training row: consecutive steps merged where each prompt extends the previous context.
+    """One training row: a trajectory's steps merged where each prompt extends the row's context.
 
     Masks come from the data: sampled tokens are trainable, prompt and tool tokens are not.
     """
@@ -150,3 +150,5 @@ class TrainSequence:
     images: list[Image] = field(default_factory=list)  # the images of input_ids, in placeholder order
     versions: list[int] = field(default_factory=list)  # [T] the policy version that computed the token's whole
     # step (async RL), -1 on prompt tokens and where a step spans a weight update or versions are not tracked
+    parent: int = -1  # a branch of an episode's tree: the earlier row of its trajectory it shares the most with
+    shared: int = 0  # ... and how many leading tokens it shares with that row (prompt here, computed once)

@@ -56,6 +56,7 @@ TASK_ENV_MAX = 2**16  # AGENT_R1_TASK is set when the task's JSON is at most thi
 ERROR_TAIL = 360  # characters of stderr (or a function's traceback) in a failed episode's error
 # what a command inherits from the trainer's environment unless the task passes more (`pass_env`): what
 # programs need to run, never the trainer's tokens and credentials, which model-written code could read
+ATTACHED = ("merged", "branched", "fresh")  # how a request attaches to the episode's tree (`_attach`)
 INHERITED_ENV = (
     "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TERM", "TZ", "TMPDIR", "PYTHONPATH",
     "VIRTUAL_ENV", "NODE_PATH",
@@ -151,11 +152,10 @@ class ProgramEnv(Env):
         """Start the program; its first chat request is the first observation."""
         self.task, self.turn = task, 0
         self.answers: list[dict[str, Any]] = []
-        self.history: tuple[list[str], list[str], str] | None = None  # (request keys, answer keys, tools key)
-        self.contexts: list[tuple[list[int], bool]] = []  # per answer: prompt + its ids, whether it ended at eos
+        self.turns: list[_Turn] = []  # every request answered so far: the nodes a later request may attach to
         self.choice = 0  # which answer the program's history went on with
         self.call: Call | None = None  # the request the policy answers next
-        self.merged = False
+        self.attached = "fresh"  # how the current request attached: merged, branched or fresh
         self.gateway: Gateway = await asyncio.to_thread(gateway)  # started on first use
         self.mailbox = self.gateway.open()
         self.mailbox.max_reward, self.mailbox.count_tokens = self.max_reward, self._count_tokens
@@ -184,9 +184,10 @@ class ProgramEnv(Env):
             malformed = sum(isinstance(c, ParseError) for c in parsed)
             counts.append({"tool_calls": len(calls), "format_errors": malformed})
         self.call.reply(self._completion(messages, finishes, actions))
-        self.history = (self.sent, [_key(ChatMessage.model_validate(m)) for m in messages], self.sent_tools)
-        # what the next prompt extends, token for token: the prompt + the ids of the answer it goes on with
-        self.contexts = [(self.prompt + list(a.token_ids), a.finish_reason == "eos") for a in actions]
+        # what a later prompt extends, token for token: the prompt + the ids of the answer it goes on with
+        contexts = [(self.prompt + list(a.token_ids), a.finish_reason == "eos") for a in actions]
+        answers = [_key(ChatMessage.model_validate(m)) for m in messages]
+        self.turns.append(_Turn(self.sent, self.sent_tools, self.unforced, self.images, answers, contexts))
         self.call, self.choice = None, 0
         event = await self._wait(render=self.turn < self.max_turns)
         self.answers.append(messages[self.choice])
@@ -197,7 +198,7 @@ class ProgramEnv(Env):
         if isinstance(event, Call):  # the turn budget is spent: the episode ends as ToolEnv's does, reward 0
             event.reply(APIError(400, f"this episode's turn budget (max_turns={self.max_turns}) is spent"))
             return StepResult(None, 0.0, True, info | {"termination": Termination.MAX_TURNS})
-        metrics = {"gateway/merged_steps": float(self.merged), "gateway/fresh_steps": float(not self.merged)}
+        metrics = {f"gateway/{kind}_steps": float(self.attached == kind) for kind in ATTACHED}
         return StepResult(event, None, False, info | {"metrics": metrics})
 
     async def close(self) -> None:
@@ -312,22 +313,28 @@ class ProgramEnv(Env):
             raise APIError(400, f"the request has {pictures} image(s) but the policy reads text only", param="messages")
         forced = forced_call(body.tool_choice, tools, self.format.tool_format)
         tools_key = json.dumps(tools, sort_keys=True)
-        new, choice = self._new_messages(body.messages, tools_key, bool(tools))
+        sent = [_key(m) for m in body.messages]
+        turn, new, choice = self._attach(body.messages, sent, tools_key, bool(tools))
         try:
-            if new is not None:
+            if new is not None:  # it extends an earlier answer: that context + the new messages' delta
                 delta = template_messages(new, [], self.format)
-                context, after_eos = self.contexts[choice]
+                context, after_eos = turn.contexts[choice]
                 ids = context + fmt.continuation(delta, after_eos=after_eos)
-                images = self.images + fmt.images(delta)
+                images = turn.images + fmt.images(delta)
+            elif turn is not None and sent == turn.sent:  # the same request again (a retry): the same prompt
+                ids, images = list(turn.prompt), list(turn.images)
             else:
                 ids, images = fmt.initial(messages), fmt.images(messages)
         except ValueError as exc:  # images the template and the messages disagree on, an unreadable image
             raise APIError(400, str(exc), param="messages") from None
+        self.unforced = ids
         if forced:  # the answer's forced opening ends the prompt: the policy samples on from it
             ids = ids + self.format.tokenizer.encode(forced, add_special_tokens=False)
-        self.call, self.prompt, self.images, self.merged = call, ids, images, new is not None
-        self.choice, self.forced, self.samples = choice, forced, body.n
-        self.sent, self.sent_tools = [_key(m) for m in body.messages], tools_key
+        self.attached = "merged" if new is not None else "branched" if turn is not None else "fresh"
+        self.call, self.prompt, self.images = call, ids, images
+        self.choice = choice if turn is not None and turn is self.turns[-1] else 0
+        self.forced, self.samples = forced, body.n
+        self.sent, self.sent_tools = sent, tools_key
         self.request_messages, self.tools = body.messages, tools
         self.client_stops = body.stops + tuple(self.format.stop)  # where the answer's visible text ends
         one_call = tools and not body.parallel_tool_calls  # stop after the first call, as ToolEnv does
@@ -340,23 +347,29 @@ class ProgramEnv(Env):
         fmt = self.format.with_tools(tools) if self.format.native_tools and tools else self.format
         return len(fmt.initial(template_messages(body.messages, tools, self.format)))
 
-    def _new_messages(
-        self, messages: list[ChatMessage], tools_key: str, tools: bool
-    ) -> tuple[list[ChatMessage] | None, int]:
-        """The messages after the previous request's and one of the gateway's answers, when `messages` starts
-        with exactly those (same tools), and which answer; (None, 0) when the history was rewritten."""
-        if self.history is None:
-            return None, 0
-        sent, answers, sent_tools = self.history
-        n = len(sent)
-        if tools_key != sent_tools or len(messages) <= n or _key(messages[n]) not in answers:
-            return None, 0
-        if [_key(m) for m in messages[:n]] != sent:
-            return None, 0
-        new = messages[n + 1 :]
-        if tools and any(m.role in ("system", "developer") for m in new):
-            return None, 0  # with tools, a system message joins the tools system prompt at the top: not an append
-        return new, answers.index(_key(messages[n]))
+    def _attach(
+        self, messages: list[ChatMessage], sent: list[str], tools_key: str, tools: bool
+    ) -> tuple[_Turn | None, list[ChatMessage] | None, int]:
+        """Where a request attaches in the episode's tree: (the earlier turn, the messages after its answer,
+        which answer) when it repeats the longest earlier request + answer it can (any earlier one, not only
+        the last: a harness's main line goes on after a sub-agent's requests); else (the earlier turn it
+        shares the most leading messages with, None, 0), a branch (a retry, a compaction, an edit); else
+        (None, None, 0), a fresh start (a sub-agent's own first request)."""
+        merges = []
+        for turn in self.turns:
+            n = len(turn.sent)
+            if turn.tools == tools_key and len(messages) > n and sent[:n] == turn.sent and sent[n] in turn.answers:
+                new = messages[n + 1 :]
+                # with tools, a system message joins the tools system prompt at the top: not an append
+                if not (tools and any(m.role in ("system", "developer") for m in new)):
+                    merges.append((n, turn, new, turn.answers.index(sent[n])))
+        if merges:  # the longest (the latest of equals): its sampled ids stay as sampled
+            _, turn, new, choice = max(reversed(merges), key=lambda m: m[0])
+            return turn, new, choice
+        shared = [(_common(sent, t.sent), i) for i, t in enumerate(self.turns) if t.tools == tools_key]
+        k, i = max(shared, default=(0, -1))
+        return (self.turns[i], None, 0) if k else (None, None, 0)
+
 
     def _completion(self, messages: list[dict], finishes: list[str], actions: list[Action]) -> dict[str, Any]:
         body = self.call.body
@@ -413,6 +426,26 @@ async def _drain(stream: asyncio.StreamReader, into: bytearray, keep: int) -> No
         into += chunk
         if len(into) > keep:
             del into[: len(into) - keep]
+
+
+@dataclass
+class _Turn:
+    """One answered request, a node of the episode's tree: what it sent, and each answer's token context."""
+
+    sent: list[str]  # the request's messages, by `_key`
+    tools: str  # its tools, as JSON
+    prompt: list[int]  # its prompt ids (before a forced call's opening)
+    images: list[Any]  # the prompt's images
+    answers: list[str]  # each answer the gateway gave, by `_key`
+    contexts: list[tuple[list[int], bool]]  # per answer: prompt + its sampled ids, whether it ended at eos
+
+
+def _common(a: list[str], b: list[str]) -> int:
+    """How many leading messages two requests share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _key(m: ChatMessage) -> str:

@@ -1,10 +1,16 @@
 """Turn a trajectory's steps into training rows, merging steps whose contexts extend each other.
 
-When step k+1's prompt starts with step k's prompt + response, token for token, the two steps are one
-sequence: one forward pass gives every step's log-probs (linear instead of quadratic in turns). The
-loss mask is 1 exactly on the sampled ids; prompt and tool ids in between get 0. When the env
-rewrote the context, the prefix breaks and a new row starts: nothing is assumed to be append-only.
-Images count as part of the context: a prompt extends a row only if it also shows the row's images.
+When a step's prompt starts with an earlier step's prompt + response, token for token, the two steps are
+one sequence: one forward pass gives every step's log-probs (linear instead of quadratic in turns). The
+loss mask is 1 exactly on the sampled ids; prompt and tool ids in between get 0. When the env rewrote the
+context, the prefix breaks and a new row starts: nothing is assumed to be append-only.
+
+An episode may be a tree, not a line (an agent harness's sub-agents, a retry, a compaction): a step joins
+the row it extends, whichever row that is, not only the latest; a step that extends none starts a row,
+which records the longest prefix it shares with an earlier row (`TrainSequence.parent`, `.shared`). The
+shared tokens are prompt there (mask 0), so every sampled id is trained once, in the row that sampled it;
+the update computes a shared prefix once (trainer/batching.py). Images count as part of the context: a
+prompt extends a row only if it also shows the row's images.
 """
 
 from __future__ import annotations
@@ -13,14 +19,16 @@ from agent_r1.types import Image, TrainSequence, Trajectory
 
 
 def merge_trajectory(traj: Trajectory) -> list[TrainSequence]:
-    """Training rows of one trajectory, in step order."""
+    """Training rows of one trajectory, in the order their first steps came."""
     rows: list[TrainSequence] = []
-    row: TrainSequence | None = None
     for step in traj.steps:
-        if row is not None and extends(step.prompt_ids, row.input_ids) and _same_images(step.images, row.images):
+        joins = [r for r in rows if extends(step.prompt_ids, r.input_ids) and _same_images(step.images, r.images)]
+        if joins:
+            row = max(joins, key=lambda r: len(r.input_ids))
             new_prompt = step.prompt_ids[len(row.input_ids) :]
         else:
             row = TrainSequence(traj.traj_id, traj.group_id, [], [], [], [])
+            row.parent, row.shared = _longest_shared(step.prompt_ids, rows)
             rows.append(row)
             new_prompt = step.prompt_ids
         row.images = list(step.images)  # the row's images are its latest prompt's (responses hold none)
@@ -31,6 +39,27 @@ def merge_trajectory(traj: Trajectory) -> list[TrainSequence]:
         row.step_index += [-1] * n + [step.index] * r
         row.versions += [-1] * n + [_one_version(step.response_versions)] * r
     return rows
+
+
+def _longest_shared(prompt: list[int], rows: list[TrainSequence]) -> tuple[int, int]:
+    """(index of the earlier row sharing the longest token prefix with `prompt`, its length); (-1, 0) if none."""
+    best = (-1, 0)
+    for i, row in enumerate(rows):
+        if (n := common_prefix(prompt, row.input_ids)) > best[1]:
+            best = (i, n)
+    return best
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two id lists."""
+    lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; binary search, each test one slice compare in C
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _one_version(versions: list[int] | None) -> int:

@@ -74,9 +74,10 @@ def test_an_sdk_tool_loop_is_one_token_exact_row(tool_model, tokenizer):
     assert drift["logprob_drift_max"] <= 1e-4, drift
     metrics = summarize([traj])
     assert metrics["gateway/merged_steps"] == 1.0 and metrics["gateway/fresh_steps"] == 0.0
+    assert metrics["gateway/branched_steps"] == 0.0
 
 
-def test_a_rewritten_history_starts_rows_of_its_own(tool_model, tokenizer):
+def test_a_rewritten_history_branches_into_rows_of_its_own(tool_model, tokenizer):
     factory = ProgramEnvFactory(tokenizer, command=(*AGENT, "--rewrite"), max_turns=3)
     (traj,) = rollout(tool_model, tokenizer, factory)
     assert traj.termination in (Termination.ANSWERED, Termination.MAX_TURNS), traj.error
@@ -93,8 +94,15 @@ def test_a_rewritten_history_starts_rows_of_its_own(tool_model, tokenizer):
     for row, step in zip(rows, traj.steps, strict=True):
         assert row.input_ids == step.prompt_ids + step.response_ids
         assert row.loss_mask == [0] * len(step.prompt_ids) + [1] * len(step.response_ids)
+    # each later request shares its leading messages with the first (a branch of the episode's tree): its row
+    # records the longest token prefix it shares with an earlier row, computed once in the update
+    shared = 0
+    while traj.steps[1].prompt_ids[shared] == rows[0].input_ids[shared]:
+        shared += 1
+    assert (rows[1].parent, rows[1].shared) == (0, shared) and shared > len(traj.steps[0].prompt_ids) // 2
     metrics = summarize([traj])
-    assert metrics["gateway/merged_steps"] == 0.0 and metrics["gateway/fresh_steps"] == len(traj.steps) - 1
+    assert metrics["gateway/branched_steps"] == len(traj.steps) - 1
+    assert metrics["gateway/merged_steps"] == metrics["gateway/fresh_steps"] == 0.0
 
 
 PY = sys.executable

@@ -193,7 +193,8 @@ def test_a_framework_episode_is_token_exact(request, tokenizer, internet, framew
     else:
         # the call came back as smolagents' own text: rendered afresh, a row of its own, its prompt untrained
         assert "Calling tools:" in tokenizer.decode(traj.steps[1].prompt_ids)
-        assert len(rows) == 2 and metrics["gateway/merged_steps"] == 0.0 and metrics["gateway/fresh_steps"] == 1.0
+        assert len(rows) == 2 and metrics["gateway/merged_steps"] == 0.0 and metrics["gateway/branched_steps"] == 1.0
+        assert rows[1].parent == 0 and rows[1].shared > 0  # its system prompt and question, computed once
         for row, step in zip(rows, traj.steps, strict=True):
             assert row.input_ids == step.prompt_ids + step.response_ids
             assert row.loss_mask == [0] * len(step.prompt_ids) + [1] * len(step.response_ids)
@@ -218,12 +219,12 @@ def test_two_rl_steps_with_a_framework_agent(request, tmp_path, tokenizer, inter
         # fp32 noise of the overfit tiny model's peaked logits, as in test_train.py; a misplaced token is whole nats
         assert h["logprob_drift_max"] < 2e-4
     merged = sum(h["gateway/merged_steps"] for h in hist)
-    fresh = sum(h["gateway/fresh_steps"] for h in hist)
-    share = merged / (merged + fresh)
+    other = sum(h["gateway/branched_steps"] + h["gateway/fresh_steps"] for h in hist)
+    share = merged / (merged + other)
     record_property("merge_share", share)  # the share of later steps that extended the previous prompt
     print(f"{framework}: {share:.0%} of later steps merged")
     if RESENDS_HISTORY[framework]:
         assert share == 1.0
     else:
-        assert fresh > 0 and share < 1.0  # rendered afresh after a call; never trained as if sampled
+        assert other > 0 and share < 1.0  # rendered afresh after a call; never trained as if sampled
     assert internet[1] == [], internet[1]

@@ -94,7 +94,11 @@ async def test_streamed_calls_and_a_repeated_history_extend_the_prompt(tokenizer
     calls += format_tool_call("calculator", {"expression": "1 + 6"})
     act = say(tokenizer, "Two sums.\n" + calls)
     second = await env.step(act)
-    assert not second.done and second.info["metrics"] == {"gateway/merged_steps": 1.0, "gateway/fresh_steps": 0.0}
+    assert not second.done and second.info["metrics"] == {
+        "gateway/merged_steps": 1.0,
+        "gateway/branched_steps": 0.0,
+        "gateway/fresh_steps": 0.0,
+    }
     results = [{"role": "user", "content": format_tool_responses(["42", "7"])}]
     assert second.observation.token_ids == first.token_ids + act.token_ids + fmt.continuation(results, False)
     assert CALL_CLOSE in env.stop  # the second request leaves parallel_tool_calls out: one call per turn
@@ -129,7 +133,12 @@ async def test_an_edited_history_is_rendered_afresh_and_tool_choice_none_hides_t
     edited = await env.step(say(tokenizer, "Hi there.", "eos"))
     history = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi there. (edited)"}]
     assert edited.observation.token_ids == fmt.initial([*history, {"role": "user", "content": "Again"}])
-    assert edited.info["metrics"] == {"gateway/merged_steps": 0.0, "gateway/fresh_steps": 1.0}
+    # a branch of the episode's tree: it shares the first message with the first request
+    assert edited.info["metrics"] == {
+        "gateway/merged_steps": 0.0,
+        "gateway/branched_steps": 1.0,
+        "gateway/fresh_steps": 0.0,
+    }
     hidden = await env.step(say(tokenizer, "Fine.", "eos"))
     # tool_choice none: the tools are not in the prompt, and a call the model writes stays text
     assert hidden.observation.token_ids == fmt.initial([{"role": "user", "content": "Hello"}])
@@ -252,7 +261,11 @@ async def test_a_call_whose_arguments_are_not_json_can_be_sent_back(tokenizer):
     first = await env.reset({})
     act = say(tokenizer, format_tool_call("calculator", "6 * 7"))
     second = await env.step(act)
-    assert not second.done and second.info["metrics"] == {"gateway/merged_steps": 1.0, "gateway/fresh_steps": 0.0}
+    assert not second.done and second.info["metrics"] == {
+        "gateway/merged_steps": 1.0,
+        "gateway/branched_steps": 0.0,
+        "gateway/fresh_steps": 0.0,
+    }
     results = [{"role": "user", "content": format_tool_responses(["Error: the arguments are not an object"])}]
     assert second.observation.token_ids == first.token_ids + act.token_ids + fmt.continuation(results, False)
     end = await env.step(say(tokenizer, "Sorry.", "eos"))

@@ -29,6 +29,21 @@ def test_rewritten_context_starts_a_new_row():
     assert [r.input_ids for r in rows] == [[1, 2, 3, 4, 5], [1, 2, 9, 6, 7, 11, 12]]
     assert [r.loss_mask for r in rows] == [[0, 0, 0, 1, 1], [0, 0, 0, 0, 1, 0, 1]]
     assert rows[1].step_index == [-1, -1, -1, -1, 1, -1, 2]
+    assert [(r.parent, r.shared) for r in rows] == [(-1, 0), (0, 2)]  # the branch shares [1, 2] with row 0
+
+
+def test_a_step_joins_the_row_it_extends_not_only_the_latest():
+    """A tree: a sub-agent's step (its own row) comes between two steps of the main line, which stay one row."""
+    t = traj(
+        ([1, 2], [3], [-0.3]),  # main line
+        ([7, 8], [9], [-0.9]),  # a sub-agent: nothing in common
+        ([1, 2, 3, 4], [5], [-0.5]),  # the main line goes on
+        ([7, 8, 9, 6], [4], [-0.4]),  # and the sub-agent
+    )
+    rows = merge_trajectory(t)
+    assert [r.input_ids for r in rows] == [[1, 2, 3, 4, 5], [7, 8, 9, 6, 4]]
+    assert [r.step_index for r in rows] == [[-1, -1, 0, -1, 2], [-1, -1, 1, -1, 3]]
+    assert [(r.parent, r.shared) for r in rows] == [(-1, 0), (-1, 0)]
 
 
 def test_a_prompt_shorter_than_the_context_is_not_an_extension():
