@@ -370,7 +370,6 @@ class ProgramEnv(Env):
         k, i = max(shared, default=(0, -1))
         return (self.turns[i], None, 0) if k else (None, None, 0)
 
-
     def _completion(self, messages: list[dict], finishes: list[str], actions: list[Action]) -> dict[str, Any]:
         body = self.call.body
         choices = []
