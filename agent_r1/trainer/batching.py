@@ -1,10 +1,15 @@
-"""Group training rows into micro-batches under a token budget, computing shared prefixes once.
+"""Group training rows into micro-batches under a token budget, computing every shared prefix once.
 
-Agent rows repeat a long prefix: system prompt, tool schemas, few-shot examples, and within a GRPO group
-the whole question. A micro-batch whose rows share a prefix of C tokens runs as one sequence: the prefix
-once, then every row's suffix, with a 4D attention mask that lets a suffix token see the prefix and the
-earlier tokens of its own row (`_prefix_once_forward`). The gradient is exact: every suffix's attention
-reads the one prefix pass. On the calculator task this removes most of the training tokens (figures:
+Agent rows repeat long prefixes: system prompt, tool schemas, few-shot examples; within a GRPO group the
+whole question and often the first sampled tokens; within an agent harness's episode (a tree: sub-agents,
+retries, compactions; rollout/merge.py) whole branches of history. A micro-batch's rows form a trie over
+their ids, and the micro-batch runs as one sequence holding each trie node once (in depth-first order),
+with a 4D attention mask that lets a token see exactly the tokens on its own root-to-token path
+(`_shared_forward`). Each row's hidden states are gathered from the one sequence, so a token trained in
+one row and prompt in another is computed once and serves both. The gradient is exact: the attention of
+every token reads the same keys as in its row alone (as in Claw-R1's prefix-tree merge and AReaL's tree
+training). `MicroBatch.num_tokens` is what is computed; the update logs its share of the rows' tokens
+(`computed_share`). On the calculator task this removes most of the training tokens (figures:
 docs/log/measurements.md). An earlier version ran the prefix with a KV cache copied to every row and the
 suffixes right-padded to the longest: on the demo's micro-batches a large share of the suffix positions
 were padding; against it the one sequence holds less for backward and runs faster (CPU SDPA's flash
@@ -18,8 +23,11 @@ position ids restart at 0 at every row, which transformers turns into a block-di
 (its "packed sequence" detection). On CPU the masked attention over a packed sequence is dense, so
 keep `max_tokens` near a row's length there (1024 by default).
 
-A run of rows sharing a prefix is cut into consecutive bins, as few as filling makes but even
-(`_balanced_cut`); the other rows are packed first-fit-decreasing, both by the tokens they will compute.
+Rows are sorted by their ids, so that the rows of a trie are neighbours and each row's new tokens start
+where it parts from the one before it (the trie's size is the rows' tokens less their neighbours'
+common prefixes). A run of rows sharing a prefix is cut into consecutive bins, as few as filling makes
+but even (`_balanced_cut`); the other rows are packed first-fit-decreasing, both by the tokens they will
+compute.
 
 Rows with images (a vision-language model) are compared by their keys, the ids with each placeholder
 standing for its image's digest, and every forward starts from the same input embeddings with the vision
@@ -63,7 +71,9 @@ class Row:
 class MicroBatch:
     """Rows concatenated: one [L] sequence per field, position ids restart per row.
 
-    `prefix_len` C > 0 means every row starts with the same C tokens, which are run once."""
+    With `take` the rows share prefixes, computed once: the forward runs the L' tokens `take` [L'] picks
+    (the rows' trie, depth first), under the mask `sees` [L', L'], and row token p reads computed token
+    `src[p]` [L]."""
 
     input_ids: torch.Tensor  # [L]
     position_ids: torch.Tensor  # [L]
@@ -75,7 +85,10 @@ class MicroBatch:
     old_values: torch.Tensor | None
     returns: torch.Tensor | None
     rows: list[Row]  # the rows, in the order they are concatenated
-    prefix_len: int = 0
+    take: torch.Tensor | None = None  # [L'] where each computed token sits in the flat rows
+    src: torch.Tensor | None = None  # [L] the computed token each row token reads
+    sees: torch.Tensor | None = None  # [L', L'] bool: computed token i attends to j (its path, causally)
+    shared: list[int] = field(default_factory=list)  # per row: its leading tokens computed for an earlier row
     # [M] positions of the sampled tokens (mask == 1), found on the CPU while packing: `nonzero` on the
     # device would wait for the GPU at every micro-batch (its output size is data-dependent)
     targets: torch.Tensor | None = None
@@ -99,8 +112,13 @@ class MicroBatch:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens the forward pass computes (a shared prefix counts once)."""
-        return int(self.input_ids.numel()) - self.prefix_len * (len(self.row_lens) - 1)
+        """Tokens the forward pass computes (each shared prefix once)."""
+        return len(self.take) if self.take is not None else int(self.input_ids.numel())
+
+    @property
+    def prefix_len(self) -> int:
+        """The prefix every row shares (the trie's root), 0 for packed rows."""
+        return min(self.shared[1:], default=0) if self.take is not None else 0
 
 
 def pack(
@@ -110,15 +128,15 @@ def pack(
     tensors on `device` (rows stay where they are, on the CPU: only a micro-batch is on the GPU at once).
 
     Rows are sorted by their ids, so rows sharing a prefix of >= `min_shared_prefix` tokens become
-    neighbours; each such run is cut into consecutive bins that compute the prefix once. The other
-    rows are packed first-fit-decreasing.
+    neighbours; each such run is cut into consecutive bins that compute each shared prefix once. The
+    other rows are packed first-fit-decreasing.
     """
     for row in rows:
         if len(row.input_ids) and float(row.mask[0]) != 0.0:
             raise ValueError("a training row must start with a prompt token (its first token has no prediction)")
     runs: list[list[Row]] = []
     for row in sorted(rows, key=lambda r: _key(r).tolist()):
-        if runs and _shared_prefix([runs[-1][-1], row]) >= min_shared_prefix:
+        if runs and _common(_key(runs[-1][-1]), _key(row)) >= min_shared_prefix:
             runs[-1].append(row)
         else:
             runs.append([row])
@@ -127,9 +145,8 @@ def pack(
         if len(run) == 1:
             loose += run
             continue
-        for b in _balanced_cut(run, max_tokens):
-            out.append(_concat(b, _shared_prefix(b) if len(b) > 1 else 0, device))
-    return out + [_concat(b, 0, device) for b in _first_fit(loose, max_tokens)]
+        out += [_concat(b, len(b) > 1, device) for b in _balanced_cut(run, max_tokens)]
+    return out + [_concat(b, False, device) for b in _first_fit(loose, max_tokens)]
 
 
 def forward_rows(
@@ -160,19 +177,19 @@ def forward_rows(
 
 
 def _cut(run: list[Row], max_tokens: int) -> list[list[Row]]:
-    """`run` cut into consecutive bins, each filled while it computes at most `max_tokens` tokens (the
-    bin's shared prefix and computed tokens kept as rows join it, as `_shared_prefix` would give them)."""
+    """`run` (sorted by ids) cut into consecutive bins, each filled while it computes at most `max_tokens`
+    tokens: a row joining a bin adds the tokens after its common prefix with the bin's last row."""
     bins: list[list[Row]] = []
-    shared = total = 0  # the last bin's shared prefix and computed tokens
+    total = 0  # the last bin's computed tokens
     for row in run:
         if bins:
-            c = min(shared, _limit(row), _common(_key(bins[-1][0]), _key(row), shared))
-            if total + len(row.input_ids) - len(bins[-1]) * c <= max_tokens:
+            extra = len(row.input_ids) - _common(_key(bins[-1][-1]), _key(row))
+            if total + extra <= max_tokens:
                 bins[-1].append(row)
-                shared, total = c, total + len(row.input_ids)
+                total += extra
                 continue
         bins.append([row])
-        shared, total = _limit(row), len(row.input_ids)  # a bin of one row computes all of it
+        total = len(row.input_ids)
     return bins
 
 
@@ -212,25 +229,9 @@ def _first_fit(rows: list[Row], max_tokens: int) -> list[list[Row]]:
     return bins
 
 
-def _shared_prefix(rows: list[Row]) -> int:
-    """Length of the common prefix of all rows, stopping before the first trainable token of any
-    row (its prediction must come from the row's own suffix pass)."""
-    c = min(_limit(r) for r in rows)
-    first = _key(rows[0])
-    for r in rows[1:]:
-        c = _common(first, _key(r), c)
-    return c
-
-
-def _limit(row: Row) -> int:
-    """The longest prefix `row` can share: before its first trainable token, and >= 1 own token."""
-    first = int(row.mask.nonzero()[0]) if bool(row.mask.any()) else len(row.input_ids)
-    return max(min(first, len(row.input_ids)) - 1, 0)
-
-
-def _common(a: torch.Tensor, b: torch.Tensor, c: int) -> int:
-    """Length of the common prefix of `a` and `b`, at most `c` (and at most the shorter one's length)."""
-    c = min(c, len(a), len(b))
+def _common(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Length of the common prefix of `a` and `b`."""
+    c = min(len(a), len(b))
     diff = (a[:c] != b[:c]).nonzero()
     return int(diff[0]) if len(diff) else c
 
@@ -245,14 +246,17 @@ def image_row_key(input_ids: list[int], images: list[Image], token_id: int | Non
     return torch.tensor(placeholder_keys(input_ids, images, token_id)) if images else None
 
 
-def _concat(rows: list[Row], prefix_len: int, device: torch.device | str = "cpu") -> MicroBatch:
+def _concat(rows: list[Row], share: bool, device: torch.device | str = "cpu") -> MicroBatch:
+    """The rows as one micro-batch; with `share` (rows sorted by ids) their trie: each row's tokens after
+    its common prefix with the row before it are new, the ones before are read where they were computed."""
+
     def cat(name: str) -> torch.Tensor | None:
         parts = [getattr(r, name) for r in rows]
         return None if parts[0] is None else torch.cat(parts).to(device, non_blocking=True)
 
     positions = torch.cat([torch.arange(len(r.input_ids), device=device) for r in rows])
     targets = torch.cat([r.mask for r in rows]).nonzero().squeeze(-1).to(device, non_blocking=True)
-    return MicroBatch(
+    mb = MicroBatch(
         input_ids=cat("input_ids"),
         position_ids=positions,
         mask=cat("mask"),
@@ -263,9 +267,37 @@ def _concat(rows: list[Row], prefix_len: int, device: torch.device | str = "cpu"
         old_values=cat("old_values"),
         returns=cat("returns"),
         rows=rows,
-        prefix_len=prefix_len,
         targets=targets,
     )
+    if share:
+        mb.take, mb.src, mb.sees, mb.shared = (x.to(device) if torch.is_tensor(x) else x for x in _trie(rows))
+    return mb
+
+
+def _trie(rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """(take [L'], src [L], sees [L', L'], shared per row) of rows sorted by ids, built on the CPU.
+
+    Row k's first `shared[k]` tokens are row k-1's (read where row k-1 reads them); the rest are new, laid
+    out after everything before them, so the layout is the trie depth first. A new token sees the tokens
+    its row reads before it (its path) and the earlier new tokens of its own row."""
+    take, src, shared, paths = [], [], [], []
+    offset = computed = 0
+    prev: torch.Tensor | None = None
+    for k, row in enumerate(rows):
+        n = len(row.input_ids)
+        c = _common(_key(rows[k - 1]), _key(row)) if k else 0
+        own = torch.arange(computed, computed + n - c)  # [n - c]
+        path = torch.cat([prev[:c], own]) if prev is not None else own  # [n]
+        take.append(torch.arange(offset + c, offset + n))
+        src.append(path)
+        shared.append(c)
+        paths.append((computed, computed + n - c, path[:c]))
+        offset, computed, prev = offset + n, computed + n - c, path
+    sees = torch.zeros(computed, computed, dtype=torch.bool)
+    for a, b, before in paths:
+        sees[a:b, before] = True
+        sees[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril_()
+    return torch.cat(take), torch.cat(src), sees, shared
 
 
 def token_logprobs(
@@ -346,10 +378,8 @@ def _states_and_logits(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Last hidden states [L, H] and the logits [M, V] at the positions that predict `targets`."""
     embeds, rope = _image_embeds(model, mb), _rope(model, mb)  # [L, H] and [3, L], None without images
-    if mb.prefix_len == 0:
-        states = _packed_forward(model, mb, embeds, rope)
-    else:
-        states = _prefix_once_forward(model, mb, embeds, rope)
+    forward = _packed_forward if mb.take is None else _shared_forward
+    states = forward(model, mb, embeds, rope)  # [L, H]
     return states, model.get_output_embeddings()(states[targets - 1])
 
 
@@ -402,44 +432,36 @@ def _packed_forward(
     return out.last_hidden_state[0]
 
 
-def _prefix_once_forward(
+def _shared_forward(
     model: torch.nn.Module, mb: MicroBatch, embeds: torch.Tensor | None = None, rope: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Last hidden states [L, H]: the shared prefix once, then every row's suffix, as one sequence in one
-    forward call; a 4D mask lets a suffix token see the prefix and the earlier tokens of its own row.
-    Positions continue from the prefix in every suffix, as in the row itself. Zeros inside the prefix
-    of every row but the first (no target is predicted there)."""
-    C, dev = mb.prefix_len, mb.input_ids.device
-    take = torch.cat(
-        [torch.arange(C, device=dev)] + [torch.arange(start + C, start + n, device=dev) for start, n in mb.row_spans]
-    )  # [L'] where each token of the one sequence sits in the micro-batch
-    owner = torch.cat(
-        [torch.full((C,), -1, device=dev)] + [torch.full((n - C,), b, device=dev) for b, n in enumerate(mb.row_lens)]
-    )  # [L'] -1 in the prefix, else the row
-    positions = mb.position_ids[take]  # [L'] the text positions, prefix then each suffix continuing it
+    """Last hidden states [L, H]: the rows' trie as one sequence in one forward call, each token seeing its
+    own path (`mb.sees`), at its position in its rows; each row token then reads its computed state."""
+    take = mb.take  # [L']
+    positions = mb.position_ids[take]  # [L'] each token's position in the rows that hold it
     tokens = {"input_ids": mb.input_ids[take][None]} if embeds is None else {"inputs_embeds": embeds[take][None]}
     out = _backbone(model)(
         **tokens,
         position_ids=positions[None] if rope is None else rope[:, take][:, None],
-        attention_mask=_prefix_once_masks(model, owner, positions),  # used as given (transformers' custom 4D mask)
+        attention_mask=_tree_masks(model, mb.sees, positions),  # used as given (transformers' custom 4D mask)
         use_cache=False,
     ).last_hidden_state[0]  # [L', H]
-    return out.new_zeros((len(mb.input_ids), out.shape[-1])).index_put((take,), out)
+    return out[mb.src]  # [L, H]: a shared token's gradient sums over the rows that read it, as row by row
 
 
-def _prefix_once_masks(
-    model: torch.nn.Module, owner: torch.Tensor, positions: torch.Tensor
+def _tree_masks(
+    model: torch.nn.Module, sees: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The [1, 1, L', L'] attention mask of `_prefix_once_forward`'s sequence, in the form the model's
-    attention takes it: a token sees the earlier tokens of the prefix (`owner` -1) and of its own row.
+    """The [1, 1, L', L'] attention mask of `_shared_forward`'s sequence, in the form the model's attention
+    takes it: `sees` [L', L'] (a token sees the earlier tokens of its own path).
 
     transformers uses a 4D mask as given for every layer, so what its own masks would add must be
-    here: sliding windows, by position (a suffix's window reaches back into the prefix, not into the
-    rows between), as one mask for a model whose layers all slide (Mistral, `sliding_window` without
+    here: sliding windows, by position (a token's window reaches back along its own path, not into
+    other branches), as one mask for a model whose layers all slide (Mistral, `sliding_window` without
     `layer_types`) or as a mask per layer type for one that mixes them (Gemma 2/3: `layer_types`); and
     the format: an additive float mask for eager attention and for SDPA in fp32 on the CPU (the mask SDPA
     would make of booleans, once for all layers), booleans for SDPA elsewhere. Attention that takes no
-    4D mask (flash-attention) is refused in one line: the suffixes would see each other."""
+    4D mask (flash-attention) is refused in one line: the branches would see each other."""
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     impl = text._attn_implementation
     if impl not in ("sdpa", "eager", SLOT_ATTENTION):
@@ -447,9 +469,6 @@ def _prefix_once_masks(
             f"shared-prefix micro-batches need an attention implementation that takes a 4D mask (sdpa or eager), "
             f"not {impl!r}: load the model with attn_implementation='sdpa'"
         )
-    i = torch.arange(len(owner), device=owner.device)
-    sees = (i[:, None] >= i[None, :]) & ((owner[:, None] == owner[None, :]) | (owner[None, :] == -1))  # [L', L']
-
     dtype = _backbone(model).get_input_embeddings().weight.dtype
 
     def form(m: torch.Tensor) -> torch.Tensor:  # [L', L'] -> [1, 1, L', L']

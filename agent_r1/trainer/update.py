@@ -39,7 +39,7 @@ def policy_update(
     rank short of work repeats one with weight 0), so the collectives inside FSDP2 always pair up."""
     a, o = cfg.algo, cfg.optim
     stats: dict[str, list[float]] = {}
-    skipped = train_tokens = updates = 0
+    skipped = train_tokens = row_tokens = updates = 0
     if not rows:
         return {"train_tokens": 0, "skipped_nonfinite": 0, "updates": 0}
     release_memory()  # what the reference pass freed (its weights, with reference_on_disk) goes back first
@@ -100,6 +100,7 @@ def policy_update(
                 loss.backward()
                 trim_heap()  # the micro-batch's freed activations back to the OS before the next one
                 train_tokens += mb.num_tokens
+                row_tokens += len(mb.input_ids)
                 m["entropy"] = (entropy.detach() * mb.mask).sum() / mb.mask.sum().clamp(min=1)
                 for k, v in m.items():  # 0-d tensors on the device, read after the update
                     stats.setdefault(k, []).append(v)
@@ -116,11 +117,15 @@ def policy_update(
     policy.eval()
     optimizer.zero_grad(set_to_none=True)  # gradients are not kept through the rollout: 4 B/param for vLLM
     stats = {k: [float(x) for x in v] for k, v in stats.items()}  # the device is idle now: cheap reads
-    stats, drift, train_tokens = _gathered(dist, stats, [d.cpu() for d in drift], train_tokens)
+    stats, drift, (train_tokens, row_tokens) = _gathered(
+        dist, stats, [d.cpu() for d in drift], (train_tokens, row_tokens)
+    )
     out = {k: sum(v) / len(v) for k, v in stats.items() if v}
     if drift and (d := torch.stack(drift))[:, 1].sum() > 0:  # [n, 3]: sum, count, max per micro-batch
         out |= {"logprob_drift_mean": float(d[:, 0].sum() / d[:, 1].sum()), "logprob_drift_max": float(d[:, 2].max())}
-    return out | {"train_tokens": train_tokens, "skipped_nonfinite": skipped, "updates": updates}
+    # computed_share: the tokens the update computed over the tokens in its rows (each shared prefix once)
+    share = {"computed_share": train_tokens / row_tokens} if row_tokens else {}
+    return out | share | {"train_tokens": train_tokens, "skipped_nonfinite": skipped, "updates": updates}
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -141,15 +146,16 @@ def _drift(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> to
     return torch.stack([d.sum(), mask.sum(), d.max() if d.numel() else d.new_zeros(())])
 
 
-def _gathered(dist: Dist, stats: dict, drift: list, train_tokens: int) -> tuple[dict, list, int]:
-    """Every rank's metrics, drift and token count together (rank 0 logs them)."""
+def _gathered(dist: Dist, stats: dict, drift: list, tokens: tuple[int, int]) -> tuple[dict, list, tuple[int, int]]:
+    """Every rank's metrics, drift and token counts (computed, in rows) together (rank 0 logs them)."""
     if dist.world == 1:
-        return stats, drift, train_tokens
-    parts = dist.gather((stats, drift, train_tokens))
+        return stats, drift, tokens
+    parts = dist.gather((stats, drift, tokens))
     merged: dict[str, list[float]] = {}
     for rank_stats, _, _ in parts:
         for k, v in rank_stats.items():
             if k != "grad_norm":  # the global norm: the same on every rank
                 merged.setdefault(k, []).extend(v)
     merged["grad_norm"] = stats.get("grad_norm", [])
-    return merged, [t for _, d, _ in parts for t in d], sum(n for _, _, n in parts)
+    counts = (sum(n[0] for _, _, n in parts), sum(n[1] for _, _, n in parts))
+    return merged, [t for _, d, _ in parts for t in d], counts

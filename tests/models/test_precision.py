@@ -53,7 +53,7 @@ def test_micro_batches_go_to_the_requested_device_and_rows_stay():
     (mb,) = pack(data, 256, min_shared_prefix=2, device="meta")
     for name in ("input_ids", "position_ids", "mask", "old_logp", "adv", "seg"):
         assert getattr(mb, name).device.type == "meta", name
-    assert mb.prefix_len == 3 and all(r.input_ids.device.type == "cpu" for r in data)
+    assert mb.prefix_len == 4 and all(r.input_ids.device.type == "cpu" for r in data)  # the 4 shared tokens
 
 
 @pytest.mark.parametrize("shared_prefix", [2, 100])  # the shared-prefix forward and the packed one

@@ -50,21 +50,49 @@ def test_every_row_once_budget_respected_and_prefix_shared():
     assert sum(mb.num_tokens for mb in mbs) < sum(len(r.input_ids) for r in rows())
 
 
-def test_shared_prefix_stops_before_trainable_tokens():
-    a = row([*PREFIX, 1, 2], 20)  # trainable from position 20: the prefix may not cover it
+def test_a_shared_prefix_goes_past_trainable_tokens():
+    """One row's sampled ids are another's prompt (a branch of an episode's tree, or two answers of a group that
+    begin alike): computed once, the row that sampled them trains them."""
+    a = row([*PREFIX, 1, 2], 20)
     b = row([*PREFIX, 3, 4], 41)
     (mb,) = pack([a, b], max_tokens=200, min_shared_prefix=8)
-    assert mb.prefix_len == 19
-    assert pack([a, b], max_tokens=200, min_shared_prefix=32)[0].prefix_len == 0  # too short to pay
+    assert mb.prefix_len == 40 and mb.num_tokens == 44
+    assert pack([a, b], max_tokens=200, min_shared_prefix=41)[0].prefix_len == 0  # too short to pay
 
 
 def test_a_row_shorter_than_the_bins_shared_prefix_joins_it():
-    """Two rows share 40 tokens; a third is the first 20 of them and its own 5: it shares 19 with the
-    bin (found by comparing only what both rows have), where a managed context's rows often land."""
+    """Two rows share 40 tokens; a third is the first 20 of them and its own 5: the trie computes the 20 once
+    for all three, the next 20 once for two, where a managed context's rows often land."""
     a, b = row([*PREFIX, 50, 51], 41), row([*PREFIX, 60, 61], 41)
     c = row([*PREFIX[:20], 70, 71, 72, 73, 74], 20)
     (mb,) = pack([a, b, c], max_tokens=200, min_shared_prefix=8)
-    assert mb.prefix_len == 19 and sorted(mb.row_lens) == sorted(len(r.input_ids) for r in (a, b, c))
+    assert mb.prefix_len == 20 and sorted(mb.row_lens) == sorted(len(r.input_ids) for r in (a, b, c))
+    assert mb.num_tokens == 42 + 2 + 5 and mb.shared == [0, 40, 20]
+
+
+TREE = [  # an episode's tree: a main line, a branch off its sampled ids, a retry, a compaction
+    row([*PREFIX, 50, 51, 52, 53], 40),
+    row([*PREFIX, 50, 51, 52, 53, 44, 45, 46], 45),  # extends the first row's sampled ids, as prompt
+    row([*PREFIX, 50, 51, 54, 55], 42),  # shares two of the first row's sampled ids
+    row([*PREFIX[:30], 56, 57, 58], 30),
+]
+
+
+def test_a_tree_of_rows_computes_each_node_once_with_row_by_row_logprobs_and_gradients():
+    model = tiny_model()
+    ref_lp = [reference(model, r) for r in TREE]
+    ref_grads = grads_of(model, -sum(lp.sum() for lp in ref_lp))
+    (mb,) = pack(TREE, max_tokens=1000, min_shared_prefix=8)
+    assert mb.num_tokens == 44 + 3 + 2 + 3  # the trie's nodes, against 59 tokens in the rows
+    logp, _, states = token_logprobs(model, mb, hidden=True)
+    for (start, n), r in zip(mb.row_spans, mb.rows, strict=True):
+        expected = reference(model, next(x for x in TREE if x.input_ids.equal(r.input_ids)))
+        assert torch.allclose(logp[start : start + n], expected, atol=1e-5)
+        alone = model.model(r.input_ids[None]).last_hidden_state[0]  # every row's states, shared ones included
+        assert torch.allclose(states[start : start + n], alone, atol=1e-5)
+    got = grads_of(model, -logp.sum())
+    for name, g in ref_grads.items():
+        assert torch.allclose(got[name], g, atol=1e-5), name
 
 
 def test_logprobs_and_gradients_match_rows_run_alone():
@@ -212,13 +240,13 @@ def test_an_unknown_logit_processing_is_refused_in_one_line(attr, value):
 
 
 def test_a_shared_prefix_runs_once_in_one_sequence_with_checkpointing_on_or_off(monkeypatch):
-    """Rows sharing a prefix run as one sequence (the prefix, then every suffix, no padding) in eval
+    """Rows sharing a prefix run as one sequence (their trie, depth first, no padding) in eval
     mode, while training, and while training with checkpointing (which would drop a KV cache); rows
     without one are packed."""
     import agent_r1.trainer.batching as batching
 
     calls = []
-    for fn in ("_packed_forward", "_prefix_once_forward"):
+    for fn in ("_packed_forward", "_shared_forward"):
         original = getattr(batching, fn)
         monkeypatch.setattr(
             batching, fn, lambda m, mb, *rest, fn=fn, original=original: calls.append(fn) or original(m, mb, *rest)
@@ -231,7 +259,7 @@ def test_a_shared_prefix_runs_once_in_one_sequence_with_checkpointing_on_or_off(
     token_logprobs(model.eval(), mb)
     token_logprobs(model.train(), mb)
     token_logprobs(model, pack(rows()[:3], max_tokens=1000, min_shared_prefix=10**6)[0])
-    assert calls == ["_prefix_once_forward"] * 3 + ["_packed_forward"]
+    assert calls == ["_shared_forward"] * 3 + ["_packed_forward"]
 
 
 WINDOWED = {  # sliding windows shorter than the shared prefix: one mask for every layer, or one per layer type
@@ -293,7 +321,7 @@ def test_sdpa_keeps_one_float_mask_for_every_layer_with_the_booleans_results_to_
     torch.manual_seed(0)
     model = tiny_model().train()
     (mb,) = pack(rows()[:3], max_tokens=1000)
-    L = mb.prefix_len + sum(n - mb.prefix_len for n in mb.row_lens)  # the one sequence's length
+    L = mb.num_tokens  # the one sequence's length
 
     def run():
         masks = set()
@@ -308,8 +336,8 @@ def test_sdpa_keeps_one_float_mask_for_every_layer_with_the_booleans_results_to_
         return logp, grads_of(model, (logp * torch.linspace(-1.0, 2.0, len(logp))).sum()), len(masks)
 
     logp, grads, held = run()
-    original = batching._prefix_once_masks
-    monkeypatch.setattr(batching, "_prefix_once_masks", lambda *args: original(*args) == 0)  # its booleans
+    original = batching._tree_masks
+    monkeypatch.setattr(batching, "_tree_masks", lambda *args: original(*args) == 0)  # its booleans
     logp_b, grads_b, held_b = run()
     assert held == 1 and held_b == model.config.num_hidden_layers
     assert torch.equal(logp, logp_b)
