@@ -44,7 +44,7 @@ from agent_r1.api.schema import APIError, ChatMessage
 from agent_r1.env.base import Env, StepResult
 from agent_r1.env.prompt_format import PromptFormat, prompt_format_for
 from agent_r1.env.tool_calls import ParseError
-from agent_r1.gateway.server import Call, Gateway, Mailbox, gateway
+from agent_r1.gateway.server import Call, Gateway, Mailbox, Unseen, gateway
 from agent_r1.models.vision import image_parts
 from agent_r1.types import Action, Observation, Termination
 
@@ -155,6 +155,8 @@ class ProgramEnv(Env):
         self.turns: list[_Turn] = []  # every request answered so far: the nodes a later request may attach to
         self.choice = 0  # which answer the program's history went on with
         self.call: Call | None = None  # the request the policy answers next
+        self.answered: Call | None = None  # the request answered last
+        self.unseen = False  # the answer to `answered` never reached the program
         self.attached = "fresh"  # how the current request attached: merged, branched or fresh
         self.gateway: Gateway = await asyncio.to_thread(gateway)  # started on first use
         self.mailbox = self.gateway.open()
@@ -184,6 +186,7 @@ class ProgramEnv(Env):
             malformed = sum(isinstance(c, ParseError) for c in parsed)
             counts.append({"tool_calls": len(calls), "format_errors": malformed})
         self.call.reply(self._completion(messages, finishes, actions))
+        self.answered = self.call
         # what a later prompt extends, token for token: the prompt + the ids of the answer it goes on with
         contexts = [(self.prompt + list(a.token_ids), a.finish_reason == "eos") for a in actions]
         answers = [_key(ChatMessage.model_validate(m)) for m in messages]
@@ -192,6 +195,9 @@ class ProgramEnv(Env):
         event = await self._wait(render=self.turn < self.max_turns)
         self.answers.append(messages[self.choice])
         info = counts[self.choice] | ({"choice": self.choice} if len(actions) > 1 else {})
+        unseen, self.unseen = float(self.unseen), False  # its connection closed before the answer reached it
+        if unseen:
+            info["unseen"] = True
         if isinstance(event, _Exit):
             reward, end = self._end(event)
             return StepResult(None, reward, True, info | end)
@@ -199,7 +205,7 @@ class ProgramEnv(Env):
             event.reply(APIError(400, f"this episode's turn budget (max_turns={self.max_turns}) is spent"))
             return StepResult(None, 0.0, True, info | {"termination": Termination.MAX_TURNS})
         metrics = {f"gateway/{kind}_steps": float(self.attached == kind) for kind in ATTACHED}
-        return StepResult(event, None, False, info | {"metrics": metrics})
+        return StepResult(event, None, False, info | {"metrics": metrics | {"gateway/unseen_steps": unseen}})
 
     async def close(self) -> None:
         """End the episode however it ended: its routes answer 404, a request still waiting is answered with
@@ -291,6 +297,9 @@ class ProgramEnv(Env):
                     f"the agent program neither called the model nor exited within timeout_s={self.timeout_s:g}s"
                     + self._tail(self._written())
                 ) from None
+            if isinstance(event, Unseen):
+                self.unseen = self.unseen or event.call is self.answered
+                continue
             if isinstance(event, _Exit) or not render:
                 return event
             try:

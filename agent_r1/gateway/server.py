@@ -76,6 +76,14 @@ class Call:
 
 
 @dataclass
+class Unseen:
+    """The program's connection closed before the answer to `call` reached it: the answer changed nothing the
+    program did, so the step is kept as context and not trained (rollout/merge.py)."""
+
+    call: Call
+
+
+@dataclass
 class Mailbox:
     """One episode's link between the server thread and the env's event loop."""
 
@@ -83,7 +91,9 @@ class Mailbox:
     token: str  # the program's OPENAI_API_KEY: only the episode's own program is answered
     loop: asyncio.AbstractEventLoop  # the env's loop; `inbox` belongs to it
     inbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # Call, or the env's own events (program exit)
-    busy: bool = False  # a chat request is in flight (read and written on the server's loop only)
+    # the chat request in flight, and an event set when there is none (the server's loop only)
+    asking: Request | None = None
+    free: asyncio.Event = field(default_factory=asyncio.Event)
     reward: float | None = None  # the last reward the program posted
     max_reward: float = math.inf  # a posted reward beyond +-this is refused (the task's bound)
     closed: bool = False  # the env closed the episode (read and written on the env's loop only)
@@ -203,30 +213,38 @@ def create_app(gw: Gateway) -> FastAPI:
         mailbox.reward = body.reward
         return {"reward": body.reward}
 
-    async def ask(mailbox: Mailbox, body: GatewayChatRequest) -> dict[str, Any]:
-        """The policy's chat.completion for `body`: the episode's next step."""
+    async def ask(mailbox: Mailbox, body: GatewayChatRequest, request: Request) -> dict[str, Any]:
+        """The policy's chat.completion for `body`: the episode's next step. A client that went away while the
+        policy answered (a timeout, a killed sub-process) never sees it: the env is told (`Unseen`)."""
         _check(body)
-        if mailbox.busy:
+        if mailbox.asking is not None and await mailbox.asking.is_disconnected():
+            while mailbox.asking is not None:  # a retry after its client gave up: after that answer, in order
+                await mailbox.free.wait()
+        if mailbox.asking is not None:
             raise APIError(
                 409, f"episode {mailbox.id!r} already has a chat request in flight: an episode asks the policy one "
                 "request at a time (each request is one step), so wait for the answer before sending the next",
                 code="request_in_flight",
             )  # fmt: skip
         call = Call(body)
-        mailbox.busy = True
+        mailbox.asking = request
+        mailbox.free.clear()
         try:
             if not mailbox.put(call):
                 raise APIError(404, f"unknown episode {mailbox.id!r}: it has ended", code="episode_not_found")
             result = await asyncio.wrap_future(call.answer)
+            if not isinstance(result, APIError) and await request.is_disconnected():
+                mailbox.put(Unseen(call))  # still in flight: it reaches the env before the program's next request
         finally:
-            mailbox.busy = False
+            mailbox.asking = None
+            mailbox.free.set()
         if isinstance(result, APIError):
             raise result
         return result
 
     @app.post("/episodes/{episode_id}/v1/chat/completions")
     async def chat(episode_id: str, body: GatewayChatRequest, request: Request) -> Any:
-        result = await ask(gw.mailbox(episode_id, request), body)
+        result = await ask(gw.mailbox(episode_id, request), body, request)
         if not body.stream:
             return result
         return sse(bodies.chat_chunks(result, bool((body.stream_options or {}).get("include_usage"))))
@@ -234,7 +252,7 @@ def create_app(gw: Gateway) -> FastAPI:
     @app.post("/episodes/{episode_id}/v1/messages")
     async def messages(episode_id: str, body: anthropic.MessagesRequest, request: Request) -> Any:
         mailbox = gw.mailbox(episode_id, request)
-        result = await ask(mailbox, anthropic.to_chat(body, GatewayChatRequest))
+        result = await ask(mailbox, anthropic.to_chat(body, GatewayChatRequest), request)
         if not body.stream:
             return anthropic.message(result)
         events = anthropic.events(bodies.chat_chunks(result, True), result["model"], result["usage"]["prompt_tokens"])
@@ -251,7 +269,7 @@ def create_app(gw: Gateway) -> FastAPI:
     async def responses_(episode_id: str, body: responses.ResponsesRequest, request: Request) -> Any:
         mailbox = gw.mailbox(episode_id, request)
         history = mailbox.responses.history(body.previous_response_id)
-        result = await ask(mailbox, responses.to_chat(body, history, GatewayChatRequest, MODEL_NAME))
+        result = await ask(mailbox, responses.to_chat(body, history, GatewayChatRequest, MODEL_NAME), request)
         response_id = responses.new_id()
 
         def keep(output: list[dict[str, Any]]) -> None:

@@ -10,7 +10,9 @@ the row it extends, whichever row that is, not only the latest; a step that exte
 which records the longest prefix it shares with an earlier row (`TrainSequence.parent`, `.shared`). The
 shared tokens are prompt there (mask 0), so every sampled id is trained once, in the row that sampled it;
 the update computes a shared prefix once (trainer/batching.py). Images count as part of the context: a
-prompt extends a row only if it also shows the row's images.
+prompt extends a row only if it also shows the row's images. A step the env marks `unseen` (the gateway:
+its program's connection closed before the answer reached it) stays in its row as context, untrained: the
+episode went on as if it had never been sampled.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def merge_trajectory(traj: Trajectory) -> list[TrainSequence]:
         row.images = list(step.images)  # the row's images are its latest prompt's (responses hold none)
         n, r = len(new_prompt), len(step.response_ids)
         row.input_ids += new_prompt + step.response_ids
-        row.loss_mask += [0] * n + [1] * r
+        row.loss_mask += [0] * n + [0 if step.info.get("unseen") else 1] * r
         row.logprobs += [0.0] * n + step.response_logprobs
         row.step_index += [-1] * n + [step.index] * r
         row.versions += [-1] * n + [_one_version(step.response_versions)] * r

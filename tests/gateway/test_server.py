@@ -98,6 +98,7 @@ async def test_streamed_calls_and_a_repeated_history_extend_the_prompt(tokenizer
         "gateway/merged_steps": 1.0,
         "gateway/branched_steps": 0.0,
         "gateway/fresh_steps": 0.0,
+        "gateway/unseen_steps": 0.0,
     }
     results = [{"role": "user", "content": format_tool_responses(["42", "7"])}]
     assert second.observation.token_ids == first.token_ids + act.token_ids + fmt.continuation(results, False)
@@ -138,6 +139,7 @@ async def test_an_edited_history_is_rendered_afresh_and_tool_choice_none_hides_t
         "gateway/merged_steps": 0.0,
         "gateway/branched_steps": 1.0,
         "gateway/fresh_steps": 0.0,
+        "gateway/unseen_steps": 0.0,
     }
     hidden = await env.step(say(tokenizer, "Fine.", "eos"))
     # tool_choice none: the tools are not in the prompt, and a call the model writes stays text
@@ -265,6 +267,7 @@ async def test_a_call_whose_arguments_are_not_json_can_be_sent_back(tokenizer):
         "gateway/merged_steps": 1.0,
         "gateway/branched_steps": 0.0,
         "gateway/fresh_steps": 0.0,
+        "gateway/unseen_steps": 0.0,
     }
     results = [{"role": "user", "content": format_tool_responses(["Error: the arguments are not an object"])}]
     assert second.observation.token_ids == first.token_ids + act.token_ids + fmt.continuation(results, False)
@@ -368,3 +371,40 @@ async def test_a_request_renders_off_the_event_loop_so_other_episodes_go_on(toke
     await env.step(say(tokenizer, "Hi.", "eos"))
     await env.close()
     assert obs.token_ids and ticks >= 20  # ~50 ticks while it rendered; none if it had blocked the loop
+
+
+def give_up_then_retry(task, base_url, api_key):
+    """The first request times out on the client's side (it goes away); the retry waits for its answer."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": "Hello"}]
+    try:
+        client.with_options(timeout=0.5).chat.completions.create(model="m", messages=messages)
+    except Exception:  # noqa: BLE001 - the SDK's timeout error: this program gives up and asks again
+        pass
+    return client.chat.completions.create(model="m", messages=messages).choices[0].message.content
+
+
+async def test_an_answer_whose_client_went_away_is_marked_unseen_and_not_trained(tokenizer):
+    import asyncio
+
+    from agent_r1.rollout.merge import merge_trajectory
+    from agent_r1.types import Step, Trajectory
+
+    env = ProgramEnv(give_up_then_retry, ChatFormat(tokenizer))
+    first = await env.reset({})
+    await asyncio.sleep(1.5)  # the policy is slow: the program has given up on this request by now
+    late = say(tokenizer, "Too late.", "eos")
+    retried = await env.step(late)  # answered into the void; the program's retry is the next request
+    assert retried.info["unseen"] and retried.info["metrics"]["gateway/unseen_steps"] == 1.0
+    assert retried.observation.token_ids == first.token_ids  # the retry: the same prompt, a branch
+    answer = say(tokenizer, "Hi!", "eos")
+    end = await env.step(answer)
+    assert end.done and "unseen" not in end.info
+    await env.close()
+    steps = [
+        Step(first.token_ids, late.token_ids, late.logprobs, info=retried.info, index=0),
+        Step(retried.observation.token_ids, answer.token_ids, answer.logprobs, info=end.info, index=1),
+    ]
+    unseen, seen = merge_trajectory(Trajectory({}, "t", "g", steps))
+    assert unseen.loss_mask == [0] * len(unseen.input_ids)  # kept as context, never trained
+    assert seen.loss_mask == [0] * len(first.token_ids) + [1] * len(answer.token_ids)
