@@ -6,10 +6,11 @@ a call whose arguments are not JSON sent back, the turn cap and a posted reward.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import httpx
-from openai import BadRequestError, OpenAI
+from openai import APITimeoutError, BadRequestError, OpenAI
 
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.env.tool_calls import CALL_CLOSE, format_tool_call, format_tool_responses, tools_system_prompt
@@ -377,10 +378,8 @@ def give_up_then_retry(task, base_url, api_key):
     """The first request times out on the client's side (it goes away); the retry waits for its answer."""
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages = [{"role": "user", "content": "Hello"}]
-    try:
+    with contextlib.suppress(APITimeoutError):  # this program gives up and asks again
         client.with_options(timeout=0.5).chat.completions.create(model="m", messages=messages)
-    except Exception:  # noqa: BLE001 - the SDK's timeout error: this program gives up and asks again
-        pass
     return client.chat.completions.create(model="m", messages=messages).choices[0].message.content
 
 
