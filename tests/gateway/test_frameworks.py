@@ -5,7 +5,8 @@ gateway, and trains two RL steps with `train()` as test_train.py does.
 
 What merges, measured here and explained in docs/agents.md ("Frameworks"):
 
-* the Agents SDK and LangGraph send the history back as they got it: every later step merges (share 1.0), and
+* the Agents SDK (with its Chat Completions model, and for one episode with its default, Responses model) and
+  LangGraph send the history back as they got it: every later step merges (share 1.0), and
   their requests render exactly as ToolEnv's, so the tiny tool model (overfit on ToolEnv's episode) calls the tool;
 * smolagents re-renders its memory as its own messages (a call becomes the assistant text "Calling tools:\\n[...]",
   its result the user text "Observation:\\n..."), so a step after a call is rendered afresh and starts a row of its
@@ -51,10 +52,12 @@ from tests.trainer.conftest import toy_config
 ROOT = Path(__file__).resolve().parents[2]
 FRAMEWORKS = {"openai-agents": "agents_sdk_agent", "langgraph": "langgraph_agent", "smolagents": "smolagents_agent"}
 # whether the framework sends the history back as it got it (every later step merges) or re-renders it
-RESENDS_HISTORY = {"openai-agents": True, "langgraph": True, "smolagents": False}
+RESENDS_HISTORY = {"openai-agents": True, "openai-agents-responses": True, "langgraph": True, "smolagents": False}
 
 
 def command(framework: str) -> tuple[str, ...]:
+    if framework == "openai-agents-responses":  # the Agents SDK's default model: the Responses API
+        return (sys.executable, "-m", "tests.gateway.agents_sdk_agent", "--responses")
     return (sys.executable, "-m", f"tests.gateway.{FRAMEWORKS[framework]}")
 
 
@@ -167,7 +170,7 @@ def model_dir(request, framework: str) -> Path:
     return request.getfixturevalue("smolagents_model_dir" if framework == "smolagents" else "tool_model_dir")
 
 
-@pytest.mark.parametrize("framework", list(FRAMEWORKS))
+@pytest.mark.parametrize("framework", [*FRAMEWORKS, "openai-agents-responses"])
 def test_a_framework_episode_is_token_exact(request, tokenizer, internet, framework):
     """One episode: the model's calls reach the framework's tools and its answer the reward; the rows train the
     sampled ids only, one row when the framework re-sends its history, a row per step when it re-renders it."""
