@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TOOLS = [  # a coding harness's tools, as OpenAI function specs
     {"type": "function", "function": {"name": name, "description": description, "parameters": {
@@ -156,4 +159,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # run as a script, this directory heads sys.path, and its kernels.py would shadow the `kernels` package that
+    # transformers probes for
+    sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+    sys.path.insert(0, str(ROOT))
     main()

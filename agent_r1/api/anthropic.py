@@ -34,7 +34,7 @@ ERROR_TYPES = {  # HTTP status -> Anthropic's error type (https://docs.anthropic
 class AnthropicMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: mid-conversation instructions (Claude Code sends them)
     content: str | list[dict[str, Any]]
 
 
@@ -71,7 +71,10 @@ def to_chat(body: MessagesRequest, cls: type[Chat]) -> Chat:
         messages.append({"role": "system", "content": system})
     for i, m in enumerate(body.messages):
         blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
-        messages += _assistant(blocks, i) if m.role == "assistant" else _user(blocks, i)
+        if m.role == "system":
+            messages.append({"role": "system", "content": _text(blocks, f"messages[{i}].content")})
+        else:
+            messages += _assistant(blocks, i) if m.role == "assistant" else _user(blocks, i)
     chat: dict[str, Any] = {
         "model": body.model, "messages": messages, "max_tokens": body.max_tokens, "temperature": body.temperature,
         "stop": body.stop_sequences, "stream": body.stream, "stream_options": {"include_usage": True},

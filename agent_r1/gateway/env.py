@@ -28,9 +28,12 @@ import contextlib
 import importlib
 import json
 import os
+import re
 import shlex
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import traceback
 from collections.abc import Callable, Sequence
@@ -76,6 +79,7 @@ class ProgramOutput:
     stdout: str = ""  # the command's standard output (its last MiB); "" for a function
     value: Any = None  # the function's return value; None for a command
     reward: float | None = None  # the last reward the program posted to /episodes/{id}/reward
+    workdir: str | None = None  # the episode's scratch directory (with `scratch`), still there for the reward
 
 
 @dataclass
@@ -115,10 +119,13 @@ class ProgramEnv(Env):
         pass_env: Sequence[str] = (),
         max_reward: float = 100.0,
         task_fields: Sequence[str] = ("question",),
+        scratch: bool = False,
     ) -> None:
         """`env`: variables set for a command; `pass_env`: names of the trainer's own it may inherit beyond
         `INHERITED_ENV`; `max_reward`: a posted reward outside [-max_reward, max_reward] is refused (4xx);
-        `task_fields`: the task's fields the program is given (the reward function gets them all)."""
+        `task_fields`: the task's fields the program is given (the reward function gets them all), also as
+        `{field}` in a command's arguments; `scratch`: a command runs in a fresh directory of its own (its
+        working directory and HOME), removed when the episode ends."""
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         if not timeout_s > 0:
@@ -139,7 +146,7 @@ class ProgramEnv(Env):
         if not max_reward > 0:
             raise ValueError(f"max_reward must be > 0, got {max_reward}")
         self.max_reward = max_reward
-        self.cwd = cwd
+        self.cwd, self.scratch, self.workdir = cwd, scratch, None
         self.stop: tuple[str, ...] = tuple(prompt_format.stop)  # the current request's (read before each turn)
         self.samples = 1  # the current request's `n`: the rollout loop samples this many answers
         self.mailbox: Mailbox | None = None
@@ -227,6 +234,9 @@ class ProgramEnv(Env):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        if self.workdir is not None:  # after the program is gone: nothing writes into it any more
+            await asyncio.to_thread(shutil.rmtree, self.workdir, True)
+            self.workdir = None
 
     # --- the program ---------------------------------------------------------------------------------
     async def _start(self, task: dict[str, Any]) -> None:
@@ -235,6 +245,10 @@ class ProgramEnv(Env):
             self._start_function(json.loads(payload))
             return
         env = program_env(self.pass_env) | self.extra_env
+        cwd = self.cwd
+        if self.scratch:  # the episode's own directory: what the harness writes (files, its config) stays there
+            self.workdir = cwd = tempfile.mkdtemp(prefix="agent-r1-episode-")
+            env["HOME"] = cwd
         env["OPENAI_BASE_URL"], env["OPENAI_API_KEY"] = self.base_url, self.api_key
         # Anthropic's SDK appends /v1/messages to its base URL itself
         env["ANTHROPIC_BASE_URL"], env["ANTHROPIC_API_KEY"] = self.base_url.removesuffix("/v1"), self.api_key
@@ -245,8 +259,9 @@ class ProgramEnv(Env):
             env["AGENT_R1_TASK"] = payload
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                *self.program, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=env, cwd=self.cwd, start_new_session=True,
+                *[_fill(arg, task) for arg in self.program], stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, cwd=cwd,
+                start_new_session=True,
             )  # fmt: skip
         except OSError as exc:
             raise ProgramError(f"cannot start the agent program {shlex.join(self.program)!r}: {exc}") from None
@@ -395,7 +410,7 @@ class ProgramEnv(Env):
         if end.code != 0 or end.error:
             raise ProgramError(self._failure(end))
         stdout = self._stdout.decode(errors="replace")
-        output = ProgramOutput(end.code, stdout, end.value, self.mailbox.reward)
+        output = ProgramOutput(end.code, stdout, end.value, self.mailbox.reward, self.workdir)
         info: dict[str, Any] = {"termination": Termination.ANSWERED}
         if self.reward_fn is None:  # the reward the program posted, if any (none: 0)
             return output.reward, info
@@ -454,6 +469,12 @@ def _common(a: list[str], b: list[str]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
+
+
+def _fill(arg: str, task: dict[str, Any]) -> str:
+    """A command argument with each `{field}` naming a field the program is given replaced by its value (a
+    harness takes its task as an argument: `claude -p {question}`); other braces stay as they are."""
+    return re.sub(r"\{(\w+)\}", lambda m: str(task[m[1]]) if m[1] in task else m[0], arg)
 
 
 def _key(m: ChatMessage) -> str:
@@ -520,6 +541,7 @@ class ProgramEnvFactory:
     pass_env: tuple[str, ...] = ()  # the trainer's variables a command may inherit beyond INHERITED_ENV
     max_reward: float = 100.0  # a posted reward outside [-max_reward, max_reward] is refused
     task_fields: tuple[str, ...] = ("question",)  # the task's fields the program is given
+    scratch: bool = False  # each episode's command runs in a fresh directory (cwd and HOME) of its own
 
     def __post_init__(self) -> None:
         if (self.command is None) == (self.function is None):
@@ -537,7 +559,7 @@ class ProgramEnvFactory:
         return ProgramEnv(
             self.command if self.command is not None else fn, fmt,
             reward, timeout_s=self.timeout_s, max_turns=self.max_turns, env=dict(self.env), cwd=self.cwd,
-            pass_env=self.pass_env, max_reward=self.max_reward, task_fields=self.task_fields,
+            pass_env=self.pass_env, max_reward=self.max_reward, task_fields=self.task_fields, scratch=self.scratch,
         )  # fmt: skip
 
 

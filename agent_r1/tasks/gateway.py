@@ -39,8 +39,11 @@ class Options:
     max_reward: float = 100.0
     """a reward the program posts must lie in [-max_reward, max_reward]; one outside is refused (400)"""
     task_fields: tuple[str, ...] = ("question",)
-    """the task's fields the program is given (stdin, AGENT_R1_TASK, a function's task); the reward
-    function gets them all, so the answer need not reach the program"""
+    """the task's fields the program is given (stdin, AGENT_R1_TASK, a function's task, `{field}` in the
+    command's arguments); the reward function gets them all, so the answer need not reach the program"""
+    scratch: bool = False
+    """run each episode's command in a fresh directory of its own (its working directory and HOME), removed
+    when the episode ends; the reward function finds it in output.workdir"""
 
     def __post_init__(self) -> None:
         if self.command is not None and self.function is not None:
@@ -72,4 +75,5 @@ def make_env(options: Options, prompt_format: PromptFormat, max_turns: int = 8) 
     return ProgramEnv(
         program, prompt_format, reward, timeout_s=options.timeout_s, max_turns=max_turns,
         pass_env=options.pass_env, max_reward=options.max_reward, task_fields=options.task_fields,
+        scratch=options.scratch,
     )  # fmt: skip

@@ -45,6 +45,7 @@ from agent_r1.distributed.fsdp import ROOT_FORWARD
 from agent_r1.distributed.group import SINGLE, Dist
 from agent_r1.engines.protocol import SLOT_ATTENTION
 from agent_r1.models.precision import autocast, model_device
+from agent_r1.models.tree_attention import TREE_KWARG, Tree, tree
 from agent_r1.models.vision import embed_with_images, image_token_id, placeholder_keys, rope_index, rope_positions
 from agent_r1.types import Image
 
@@ -72,8 +73,8 @@ class MicroBatch:
     """Rows concatenated: one [L] sequence per field, position ids restart per row.
 
     With `take` the rows share prefixes, computed once: the forward runs the L' tokens `take` [L'] picks
-    (the rows' trie, depth first), under the mask `sees` [L', L'], and row token p reads computed token
-    `src[p]` [L]."""
+    (the rows' trie, depth first), each row's new tokens attending to their own path (`tree`), and row
+    token p reads computed token `src[p]` [L]."""
 
     input_ids: torch.Tensor  # [L]
     position_ids: torch.Tensor  # [L]
@@ -87,7 +88,7 @@ class MicroBatch:
     rows: list[Row]  # the rows, in the order they are concatenated
     take: torch.Tensor | None = None  # [L'] where each computed token sits in the flat rows
     src: torch.Tensor | None = None  # [L] the computed token each row token reads
-    sees: torch.Tensor | None = None  # [L', L'] bool: computed token i attends to j (its path, causally)
+    tree: Tree | None = None  # per row: its new tokens' span in the L' and the keys it reads
     shared: list[int] = field(default_factory=list)  # per row: its leading tokens computed for an earlier row
     # [M] positions of the sampled tokens (mask == 1), found on the CPU while packing: `nonzero` on the
     # device would wait for the GPU at every micro-batch (its output size is data-dependent)
@@ -270,17 +271,19 @@ def _concat(rows: list[Row], share: bool, device: torch.device | str = "cpu") ->
         targets=targets,
     )
     if share:
-        mb.take, mb.src, mb.sees, mb.shared = (x.to(device) if torch.is_tensor(x) else x for x in _trie(rows))
+        take, src, spans, paths, mb.shared = _trie(rows)
+        mb.take, mb.src, mb.tree = take.to(device), src.to(device), tree(spans, paths).to(device)
     return mb
 
 
-def _trie(rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    """(take [L'], src [L], sees [L', L'], shared per row) of rows sorted by ids, built on the CPU.
+def _trie(rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]], list[torch.Tensor], list[int]]:
+    """(take [L'], src [L], each row's new tokens' span [a, b) in the L', each row's path [c], shared per row)
+    of rows sorted by ids, built on the CPU.
 
-    Row k's first `shared[k]` tokens are row k-1's (read where row k-1 reads them); the rest are new, laid
-    out after everything before them, so the layout is the trie depth first. A new token sees the tokens
-    its row reads before it (its path) and the earlier new tokens of its own row."""
-    take, src, shared, paths = [], [], [], []
+    Row k's first `shared[k]` = c tokens are row k-1's (read where row k-1 reads them: its path); the rest
+    are new, laid out after everything before them, so the layout is the trie depth first. A new token
+    sees its row's path and the earlier new tokens of its own row."""
+    take, src, spans, paths, shared = [], [], [], [], []
     offset = computed = 0
     prev: torch.Tensor | None = None
     for k, row in enumerate(rows):
@@ -290,14 +293,11 @@ def _trie(rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, li
         path = torch.cat([prev[:c], own]) if prev is not None else own  # [n]
         take.append(torch.arange(offset + c, offset + n))
         src.append(path)
+        spans.append((computed, computed + n - c))
+        paths.append(path[:c])
         shared.append(c)
-        paths.append((computed, computed + n - c, path[:c]))
         offset, computed, prev = offset + n, computed + n - c, path
-    sees = torch.zeros(computed, computed, dtype=torch.bool)
-    for a, b, before in paths:
-        sees[a:b, before] = True
-        sees[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril_()
-    return torch.cat(take), torch.cat(src), sees, shared
+    return torch.cat(take), torch.cat(src), spans, paths, shared
 
 
 def token_logprobs(
@@ -436,32 +436,38 @@ def _shared_forward(
     model: torch.nn.Module, mb: MicroBatch, embeds: torch.Tensor | None = None, rope: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Last hidden states [L, H]: the rows' trie as one sequence in one forward call, each token seeing its
-    own path (`mb.sees`), at its position in its rows; each row token then reads its computed state."""
+    own path, at its position in its rows; each row token then reads its computed state. Under SDPA the
+    attention runs row by row along the tree (models/tree_attention.py); other attention gets the tree as
+    one [L', L'] mask (`_tree_masks`)."""
     take = mb.take  # [L']
     positions = mb.position_ids[take]  # [L'] each token's position in the rows that hold it
     tokens = {"input_ids": mb.input_ids[take][None]} if embeds is None else {"inputs_embeds": embeds[take][None]}
+    mask = _tree_masks(model, mb.tree, positions)
+    extra = {TREE_KWARG: mask} if isinstance(mask, Tree) else {}
     out = _backbone(model)(
         **tokens,
         position_ids=positions[None] if rope is None else rope[:, take][:, None],
-        attention_mask=_tree_masks(model, mb.sees, positions),  # used as given (transformers' custom 4D mask)
+        # a Tree: a stand-in 4D mask (used as given, and not read: tree_sdpa reads the tree); else the mask
+        attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=take.device) if extra else mask,
         use_cache=False,
+        **extra,
     ).last_hidden_state[0]  # [L', H]
     return out[mb.src]  # [L, H]: a shared token's gradient sums over the rows that read it, as row by row
 
 
 def _tree_masks(
-    model: torch.nn.Module, sees: torch.Tensor, positions: torch.Tensor
-) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The [1, 1, L', L'] attention mask of `_shared_forward`'s sequence, in the form the model's attention
-    takes it: `sees` [L', L'] (a token sees the earlier tokens of its own path).
+    model: torch.nn.Module, t: Tree, positions: torch.Tensor
+) -> Tree | torch.Tensor | dict[str, torch.Tensor]:
+    """The tree in the form the model's attention takes it. SDPA: the `Tree` itself, its masks additive in
+    fp32 on the CPU (the mask SDPA would make of booleans, made once for all layers). Eager attention: one
+    [1, 1, L', L'] additive mask over the sequence (a token sees the earlier tokens of its own path).
 
     transformers uses a 4D mask as given for every layer, so what its own masks would add must be
     here: sliding windows, by position (a token's window reaches back along its own path, not into
     other branches), as one mask for a model whose layers all slide (Mistral, `sliding_window` without
-    `layer_types`) or as a mask per layer type for one that mixes them (Gemma 2/3: `layer_types`); and
-    the format: an additive float mask for eager attention and for SDPA in fp32 on the CPU (the mask SDPA
-    would make of booleans, once for all layers), booleans for SDPA elsewhere. Attention that takes no
-    4D mask (flash-attention) is refused in one line: the branches would see each other."""
+    `layer_types`) or as a mask per layer type for one that mixes them (Gemma 2/3: `layer_types`); under
+    SDPA the layer's window comes with its call. Attention that takes no 4D mask (flash-attention) is
+    refused in one line: the branches would see each other."""
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     impl = text._attn_implementation
     if impl not in ("sdpa", "eager", SLOT_ATTENTION):
@@ -470,15 +476,17 @@ def _tree_masks(
             f"not {impl!r}: load the model with attn_implementation='sdpa'"
         )
     dtype = _backbone(model).get_input_embeddings().weight.dtype
+    if impl != "eager":
+        # SDPA would turn boolean masks into these (0 where seen, -inf elsewhere) in every layer and keep each
+        # layer's copy for backward; given them, all layers keep these
+        cpu_fp32 = dtype == torch.float32 and positions.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
+        return t.additive(dtype) if cpu_fp32 else t
+    sees = torch.zeros(len(positions), len(positions), dtype=torch.bool, device=positions.device)  # [L', L']
+    for (a, b), keys, seen in zip(t.spans, t.keys, t.masks, strict=True):
+        sees[a:b, keys] = seen[0, 0]
 
-    def form(m: torch.Tensor) -> torch.Tensor:  # [L', L'] -> [1, 1, L', L']
-        if impl == "eager":
-            m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
-        elif dtype == torch.float32 and m.device.type == "cpu" and not torch.is_autocast_enabled("cpu"):
-            # SDPA turns a boolean mask into this one (0 where seen, -inf elsewhere) in every layer and keeps
-            # each layer's copy for backward (30 x 3.8 MB at 979 tokens); given it, all layers keep this one
-            m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
-        return m[None, None]
+    def form(m: torch.Tensor) -> torch.Tensor:  # [L', L'] -> [1, 1, L', L'], additive
+        return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)[None, None]
 
     window = getattr(text, "sliding_window", None)
     types = set(getattr(text, "layer_types", None) or ())

@@ -98,13 +98,13 @@ def factory(tokenizer, framework: str, env, **kwargs) -> ProgramEnvFactory:
     )  # fmt: skip
 
 
-def overfit(tokenizer, examples: list[tuple[list[int], list[int]]], out: Path) -> Path:
-    """A tiny Llama (4,096 positions) overfit on (prompt, response) pairs as tests/conftest.py's tool model is,
+def overfit(tokenizer, examples: list[tuple[list[int], list[int]]], out: Path, positions: int = 4096) -> Path:
+    """A tiny Llama (`positions` positions) overfit on (prompt, response) pairs as tests/conftest.py's tool model is,
     then its logits sharpened fourfold (its final norm's weight): at temperature 1 it then writes what it learned
     all but always, as a policy that has learned the format does (per-token misses of 1% would fail an episode in
     two: the smolagents episode is two 30-token calls)."""
     model = make_tiny_llama(len(tokenizer), hidden=32, eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id, seed=1)
-    model.config.max_position_embeddings = 4096
+    model.config.max_position_embeddings = positions
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(200):

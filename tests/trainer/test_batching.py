@@ -313,21 +313,21 @@ def test_a_run_is_cut_into_as_few_bins_as_filling_makes_but_even():
 
 
 def test_sdpa_keeps_one_float_mask_for_every_layer_with_the_booleans_results_to_the_bit(monkeypatch):
-    """In fp32 on the CPU the shared-prefix sequence's mask goes to SDPA as the float mask SDPA would make
-    of the booleans: one tensor held for backward by every layer instead of a copy per layer, with
-    log-probs and gradients bitwise those of the boolean mask."""
-    import agent_r1.trainer.batching as batching
+    """In fp32 on the CPU each row's tree mask goes to SDPA as the float mask SDPA would make of the booleans:
+    one tensor per row held for backward by every layer instead of a copy per layer and row, with log-probs and
+    gradients bitwise those of the boolean masks."""
+    from agent_r1.models.tree_attention import Tree
 
     torch.manual_seed(0)
     model = tiny_model().train()
     (mb,) = pack(rows()[:3], max_tokens=1000)
-    L = mb.num_tokens  # the one sequence's length
+    shapes = {tuple(m.shape) for m in mb.tree.masks}  # [1, 1, m, c + m] per row
 
     def run():
         masks = set()
 
         def pack_hook(t):
-            if t.shape == (1, 1, L, L):
+            if tuple(t.shape) in shapes and t.dtype in (torch.float32, torch.bool):
                 masks.add(t.untyped_storage().data_ptr())
             return t
 
@@ -336,9 +336,8 @@ def test_sdpa_keeps_one_float_mask_for_every_layer_with_the_booleans_results_to_
         return logp, grads_of(model, (logp * torch.linspace(-1.0, 2.0, len(logp))).sum()), len(masks)
 
     logp, grads, held = run()
-    original = batching._tree_masks
-    monkeypatch.setattr(batching, "_tree_masks", lambda *args: original(*args) == 0)  # its booleans
+    monkeypatch.setattr(Tree, "additive", lambda self, dtype: self)  # the booleans, to SDPA as they are
     logp_b, grads_b, held_b = run()
-    assert held == 1 and held_b == model.config.num_hidden_layers
+    assert held == len(mb.rows) and held_b == len(mb.rows) * model.config.num_hidden_layers
     assert torch.equal(logp, logp_b)
     assert all(torch.equal(grads[n], g) for n, g in grads_b.items())

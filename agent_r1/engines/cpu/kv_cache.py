@@ -47,7 +47,6 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from agent_r1.engines.cpu.decode_attention import kernel_for
@@ -127,8 +126,8 @@ def slot_attention(
     value the layer's buffers [slots, Hkv, capacity, D]; returns [1, T, Hq, D]. Outside a packed pass
     (the trainer's forward passes) it is transformers' SDPA attention, argument for argument."""
     cache = _ACTIVE.get()
-    if cache is None:
-        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+    if cache is None:  # looked up: the trainer's tree attention (models/tree_attention.py) is SDPA's entry
+        return AttentionInterface._global_mapping["sdpa"](module, query, key, value, *args, **kwargs)
     window, scale = kwargs.get("sliding_window"), kwargs.get("scaling")
     q = query[0]  # [Hq, T, D]
     out = query.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, Hq, D]
