@@ -1,13 +1,18 @@
 """Real agent harnesses, unchanged, trained through the gateway: Claude Code (`@anthropic-ai/claude-code` from npm,
 installed by `make harnesses`), headless (`claude -p {question}`) with ANTHROPIC_BASE_URL at the episode's route.
 
-Claude Code speaks Anthropic Messages, streams every answer, sends a system prompt, its own tools (Agent, Bash,
+Claude Code speaks Anthropic Messages, streams every answer, and sends a system prompt, its own tools (Agent, Bash,
 Edit, Read, Write, ...) and a mid-conversation system message with every request: its first prompt is some
-12,000 tokens in SmolLM2's tokenizer. Each episode runs in a scratch directory of its own (its working
-directory and HOME). The policy is a tiny Llama (32k positions) overfit on Claude Code's own episode, scripted
-through the gateway in two scratch directories: call Bash with `echo hi > hello.txt`, then say it is done; the
-reward is whether hello.txt says hi. Nothing reaches the internet: every HTTP(S) proxy is a trap (tests/gateway/
-test_frameworks.py) that must count no connection.
+12,600 tokens in SmolLM2's tokenizer. Each episode runs in a scratch directory of its own (its working directory
+and HOME). A scripted episode shows the harness side whole: the policy's answer (a Bash call) is run by Claude
+Code in the scratch directory, its result comes back as the next request, which extends the first token for
+token, and the reward reads the file it wrote. Two RL steps then train a tiny Llama (32k positions) on Claude
+Code's episodes. It was taught only to say it is done (its last layer, on the frozen layers' features, since
+backpropagating through 12,700-token sequences takes 2.5 s a pass here): its episodes end after one answer,
+with reward 0. (An answer cut by `rollout.max_new_tokens` comes back with `stop_reason: max_tokens`, which
+Claude Code treats as an error: the episode errors and is left out.)
+Nothing reaches the internet: every HTTP(S) proxy is a trap (tests/gateway/test_frameworks.py) that must count
+no connection.
 """
 
 from __future__ import annotations
@@ -16,17 +21,14 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from transformers import AutoModelForCausalLM
+import torch
 
-from agent_r1.engines.cpu.local_engine import LocalEngine
-from agent_r1.engines.protocol import SamplingParams
 from agent_r1.env.tool_calls import format_tool_call
 from agent_r1.gateway import ProgramEnvFactory
-from agent_r1.rollout.agent_loop import AgentEnvLoop, summarize
-from agent_r1.rollout.merge import merge_trajectory
 from agent_r1.trainer.rl import train
 from agent_r1.types import Action, Termination
-from tests.gateway.test_frameworks import internet, overfit  # noqa: F401 - the fixture
+from tests.conftest import make_tiny_llama
+from tests.gateway.test_frameworks import internet  # noqa: F401 - the fixture
 from tests.trainer.conftest import toy_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,53 +64,78 @@ def claude():
     return CLAUDE
 
 
-@pytest.fixture(scope="module")
-def claude_model_dir(claude, tokenizer, tmp_path_factory, internet):  # noqa: F811
-    """A tiny model that does the task Claude Code's way, overfit on its real episode in two scratch directories."""
+def test_claude_code_runs_the_policys_tool_call_and_its_next_request_extends_the_first(claude, tokenizer, internet):  # noqa: F811
+    """A scripted episode: the answers are given, everything else is Claude Code's and the gateway's."""
 
-    async def episode() -> list[tuple[list[int], list[int]]]:
+    async def episode():
         env = factory(tokenizer, internet[0])()
-        obs, examples = await env.reset(TASK), []
-        try:
-            for text, finish in ((CALL, "stop"), (DONE, "eos")):
-                ids = tokenizer.encode(text, add_special_tokens=False) + ([tokenizer.eos_token_id] * (finish == "eos"))
-                examples.append((obs.token_ids, ids))
-                result = await env.step(Action(ids, [0.0] * len(ids), text, finish))
-                obs = result.observation
-            assert result.done and result.reward == 1.0, result  # Claude Code ran the command and exited
-        finally:
-            await env.close()
-        return examples
+        first = await env.reset(TASK)
+        workdir = Path(env.workdir)
+        call = tokenizer.encode(CALL, add_special_tokens=False)
+        second = await env.step(Action(call, [0.0] * len(call), CALL, "stop"))
+        done = [*tokenizer.encode(DONE, add_special_tokens=False), tokenizer.eos_token_id]
+        end = await env.step(Action(done, [0.0] * len(done), DONE, "eos"))
+        await env.close()
+        return first, call, second, end, workdir
 
-    examples = [pair for _ in range(2) for pair in asyncio.run(episode())]
-    return overfit(tokenizer, examples, tmp_path_factory.mktemp("claude_model"), positions=32768)
-
-
-def test_claude_code_episode_is_token_exact(claude_model_dir, tokenizer, internet):  # noqa: F811
-    model = AutoModelForCausalLM.from_pretrained(claude_model_dir).eval()
-    engine = LocalEngine(model, tokenizer, seed=0)
-    loop = AgentEnvLoop(engine, factory(tokenizer, internet[0]), SamplingParams(max_new_tokens=48), seed=0)
-    (traj,) = loop.run_sync([TASK])
-    assert traj.termination == Termination.ANSWERED and traj.outcome == 1.0, traj.error
-    first, second = traj.steps
-    assert '"Bash"' in first.text and len(first.prompt_ids) > 8000  # Claude Code's own prompt, whole
-    (row,) = merge_trajectory(traj)  # Claude Code sends its history back as it got it: one row
-    sampled = [t for t, m in zip(row.input_ids, row.loss_mask, strict=True) if m]
-    assert sampled == first.response_ids + second.response_ids
-    assert summarize([traj])["gateway/merged_steps"] == 1.0
+    first, call, second, end, workdir = asyncio.run(episode())
+    assert len(first.token_ids) > 8000 and TASK["question"] in tokenizer.decode(first.token_ids)
+    assert second.info["tool_calls"] == 1 and second.info["metrics"]["gateway/merged_steps"] == 1.0
+    # the tool result Claude Code sends back: the second prompt is the first + the call's ids + the result's turn
+    extended = second.observation.token_ids
+    assert extended[: len(first.token_ids) + len(call)] == first.token_ids + call
+    assert "<tool_response>" in tokenizer.decode(extended[len(first.token_ids) + len(call) :])
+    assert end.done and end.reward == 1.0  # Claude Code ran `echo hi > hello.txt` in the episode's directory
+    assert not workdir.exists()  # removed with the episode
     assert internet[1] == [], internet[1]
 
 
-def test_two_rl_steps_with_claude_code(claude_model_dir, tokenizer, tmp_path, internet):  # noqa: F811
-    model = AutoModelForCausalLM.from_pretrained(claude_model_dir)
+def says_done(tokenizer, prompt: list[int]):
+    """A tiny Llama (32,768 positions) whose last layer's MLP, final norm and untied LM head are fit to answer
+    `prompt` with DONE and its end-of-turn id, on the features the frozen layers give that MLP (computed once)."""
+    model = make_tiny_llama(len(tokenizer), hidden=32, eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id, seed=1)
+    model.config.max_position_embeddings, model.config.tie_word_embeddings = 32768, False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    answer = [*tokenizer.encode(DONE, add_special_tokens=False), tokenizer.eos_token_id]
+    last, seen = model.model.layers[-1], {}
+    hook = last.post_attention_layernorm.register_forward_hook(lambda m, args, out: seen.update(h=args[0]))
+    with torch.no_grad():
+        model.model(torch.tensor([prompt + answer]))
+    hook.remove()
+    h, y = seen["h"][0, len(prompt) - 1 : -1], torch.tensor(answer)  # [R, H]: the positions predicting the answer
+    params = [*last.mlp.parameters(), *last.post_attention_layernorm.parameters(), *model.model.norm.parameters()]
+    optimizer = torch.optim.Adam([*params, model.lm_head.weight], lr=1e-2)
+    for _ in range(300):
+        logits = model.lm_head(model.model.norm(h + last.mlp(last.post_attention_layernorm(h))))  # as the layer does
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        model.model.norm.weight.mul_(4)  # sharper: at temperature 1 it says what it learned
+    return model.train()
+
+
+def test_two_rl_steps_with_claude_code(claude, tokenizer, tmp_path, internet):  # noqa: F811
+    async def first_prompt() -> list[int]:
+        env = factory(tokenizer, internet[0])()
+        try:
+            return (await env.reset(TASK)).token_ids
+        finally:
+            await env.close()
+
+    model = says_done(tokenizer, asyncio.run(first_prompt()))
     cfg = toy_config(
-        tmp_path, "steps=2", "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=48",
-        "rollout.max_turns=4", "optim.lr=1e-4", "algo.zero_variance_groups=keep",
+        tmp_path, "steps=2", "rollout.tasks_per_step=2", "rollout.group_size=2",
+        "rollout.max_turns=4", "optim.lr=1e-4", "algo.zero_variance_groups=keep", "optim.micro_batch_tokens=16384",
+        "rollout.max_new_tokens=32",
     )  # fmt: skip
     hist = train(cfg, model=model, tokenizer=tokenizer, make_env=factory(tokenizer, internet[0]), tasks=[TASK] * 4)
     assert len(hist) == 2
     for h in hist:
         assert h["updates"] >= 1 and h["trained_episodes"] == 4 and h[f"termination/{Termination.ERROR}"] == 0
-        assert h["reward_mean"] > 0 and h["gateway/merged_steps"] > 0
         assert h["logprob_drift_max"] < 2e-4
+        # every episode's row holds Claude Code's whole prompt; its working directory is in the system message that
+        # the hermes rendering puts at the top, so two episodes' rows share little (computed_share about 1)
+        assert h["train_tokens"] > 4 * 8000
     assert internet[1] == [], internet[1]
