@@ -67,6 +67,8 @@ def tree_sdpa(
     kwargs.pop("is_causal", None)
     outs = []
     for (a, b), keys, mask in zip(t.spans, t.keys, t.masks, strict=True):
+        if a == b:  # a row whose every token an earlier row holds (a duplicate): nothing of its own to compute
+            continue
         if window is not None:  # query i (position c + i) sees keys j with c + i - j < window
             c, m = len(keys) - (b - a), b - a
             near = (c + torch.arange(m, device=keys.device)[:, None] - torch.arange(c + m, device=keys.device)) < window

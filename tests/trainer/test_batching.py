@@ -78,6 +78,20 @@ TREE = [  # an episode's tree: a main line, a branch off its sampled ids, a retr
 ]
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_row_an_earlier_row_holds_whole_computes_nothing_of_its_own(attention):
+    """Two SFT rows alike, or a row that is another's prefix: no token of its own, its log-probs read from the
+    other row's states."""
+    model = tiny_model()
+    model.config._attn_implementation = attention
+    data = [TREE[0], row(TREE[0].input_ids.tolist(), 40), row(TREE[0].input_ids[:42].tolist(), 40)]
+    (mb,) = pack(data, max_tokens=1000, min_shared_prefix=8)
+    assert mb.num_tokens == len(TREE[0].input_ids)
+    logp, _, _ = token_logprobs(model, mb)
+    for (start, n), r in zip(mb.row_spans, mb.rows, strict=True):
+        assert torch.allclose(logp[start : start + n], reference(model, r), atol=1e-5)
+
+
 def test_a_tree_of_rows_computes_each_node_once_with_row_by_row_logprobs_and_gradients():
     model = tiny_model()
     ref_lp = [reference(model, r) for r in TREE]
