@@ -21,6 +21,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from agent_r1.api import bodies
 from agent_r1.api.schema import APIError, ChatCompletionRequest, bounded_stops
 
 Chat = TypeVar("Chat", bound=ChatCompletionRequest)
@@ -223,12 +224,8 @@ async def events(chunks: AsyncIterator[dict[str, Any]], model: str, prompt_token
     start |= {"stop_reason": None, "stop_sequence": None, "usage": _usage(prompt_tokens, 0)}
     yield {"type": "message_start", "message": start}
     index, text_open, finish, usage = -1, False, "stop", None
-    async for chunk in chunks:
-        if not chunk["choices"]:
-            usage = chunk.get("usage")
-            continue
-        choice = chunk["choices"][0]
-        delta = choice["delta"]
+    async for delta, finished, counted in bodies.first_choice(chunks):
+        usage, finish = counted or usage, finished or finish
         if delta.get("content"):
             if not text_open:
                 index, text_open = index + 1, True
@@ -248,7 +245,6 @@ async def events(chunks: AsyncIterator[dict[str, Any]], model: str, prompt_token
             yield {"type": "content_block_start", "index": index, "content_block": block | {"input": {}}}
             yield {"type": "content_block_delta", "index": index, "delta": partial}
             yield {"type": "content_block_stop", "index": index}
-        finish = choice.get("finish_reason") or finish
     if text_open:
         yield {"type": "content_block_stop", "index": index}
     done = {"output_tokens": usage["completion_tokens"], "input_tokens": usage["prompt_tokens"]} if usage else {}

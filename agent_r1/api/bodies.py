@@ -91,6 +91,17 @@ async def chat_chunks(completion: dict[str, Any], include_usage: bool = False) -
         yield top | {"object": "chat.completion.chunk", "choices": [], "usage": completion["usage"]}
 
 
+async def first_choice(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[tuple[dict, str | None, dict | None]]:
+    """Choice 0 of a chat.completion.chunk stream as (delta, finish_reason, usage): what the Messages and
+    Responses streams are translated from; the last chunk, with the usage and no choices, is ({}, None, usage)."""
+    async for chunk in chunks:
+        if chunk["choices"]:
+            choice = chunk["choices"][0]
+            yield choice["delta"], choice.get("finish_reason"), None
+        else:
+            yield {}, None, chunk.get("usage")
+
+
 def model_list(*cards: dict[str, Any]) -> dict[str, Any]:
     """GET /v1/models: each card gets OpenAI's `object` and `owned_by`."""
     return {"object": "list", "data": [{"object": "model", "owned_by": "agent-r1"} | c for c in cards]}

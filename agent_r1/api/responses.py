@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agent_r1.api import bodies
 from agent_r1.api.schema import APIError, ChatCompletionRequest
 
 Chat = TypeVar("Chat", bound=ChatCompletionRequest)
@@ -223,12 +224,8 @@ async def events(
     yield event("response.created", response=response(body, response_id, model, [], None, None))
     yield event("response.in_progress", response=response(body, response_id, model, [], None, None))
     finish, usage = "stop", None
-    async for chunk in chunks:
-        if not chunk["choices"]:
-            usage = chunk.get("usage")
-            continue
-        choice = chunk["choices"][0]
-        delta = choice["delta"]
+    async for delta, finished, counted in bodies.first_choice(chunks):
+        usage, finish = counted or usage, finished or finish
         if delta.get("content"):
             if text is None:
                 text = _text_item("", "in_progress")
@@ -250,7 +247,6 @@ async def events(
             yield event("response.function_call_arguments.delta", **at, delta=item["arguments"])
             yield event("response.function_call_arguments.done", **at, arguments=item["arguments"], name=item["name"])
             yield event("response.output_item.done", output_index=at["output_index"], item=item)
-        finish = choice.get("finish_reason") or finish
     if text is not None and text["status"] == "in_progress":
         for e in _close_text(event, text, where):
             yield e
