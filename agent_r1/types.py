@@ -98,6 +98,7 @@ class Step:
     state: str = ""  # the env state the step acted from (Observation.state, else a digest of the prompt)
     images: list[Image] = field(default_factory=list)  # the images of prompt_ids, in placeholder order
     response_versions: list[int] | None = None  # [R] policy version that sampled each id (async RL), if tracked
+    grammar: str | None = None  # the grammar the response was sampled under (EBNF), None for free text
 
 
 @dataclass
@@ -152,3 +153,4 @@ class TrainSequence:
     # step (async RL), -1 on prompt tokens and where a step spans a weight update or versions are not tracked
     parent: int = -1  # a branch of an episode's tree: the earlier row of its trajectory it shares the most with
     shared: int = 0  # ... and how many leading tokens it shares with that row (prompt here, computed once)
+    grammars: dict[int, str] = field(default_factory=dict)  # step index -> the grammar its response was sampled under

@@ -60,3 +60,54 @@ def test_the_vision_demo_model_is_token_exact_with_pictures_in_every_turn():
         assert (ref[mask] - torch.tensor(row.logprobs[1:])[mask]).abs().max().item() <= 1e-4
     rows, _ = build_rows(trajs, seqs, image_token_id(model))
     assert trainer_gap(model, pack(rows, 4096)) <= 1e-4
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+
+
+@pytest.mark.slow
+async def test_the_bundled_model_served_keeps_the_structure_the_api_promises():
+    """Asked with a named tool_choice, the bundled model alone wrote the tool's schema back into the arguments
+    until max_tokens, and the raw `<tool_call>` markup came back as content; sampled under the grammar, it
+    returns the call with arguments the schema accepts. `response_format: json_schema` likewise."""
+    import json
+
+    import httpx
+    import jsonschema
+
+    from agent_r1.serve import ServedModel, create_app
+
+    model, tokenizer = load_model("default")
+    engine = LocalEngine(model, tokenizer, seed=0, max_context=2048)
+    served = ServedModel(engine, tokenizer, ChatFormat(tokenizer), "policy", engine.eos_ids, request_timeout=120.0)
+    ask = {"model": "policy", "messages": [{"role": "user", "content": "What's the weather in Paris?"}]}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(served)), base_url="http://t") as http:
+        for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+            body = ask | {"tools": [WEATHER], "tool_choice": choice, "max_tokens": 120, "temperature": 0}
+            reply = (await http.post("/v1/chat/completions", json=body)).json()["choices"][0]
+            assert reply["finish_reason"] == "tool_calls" and reply["message"]["content"] is None
+            (call,) = reply["message"]["tool_calls"]
+            assert call["function"]["name"] == "get_weather"
+            jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+        person = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                  "required": ["name", "age"]}  # fmt: skip
+        body = ask | {
+            "messages": [{"role": "user", "content": "Give me a person named Ann aged 30 as JSON."}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": person}},
+            "max_tokens": 60, "temperature": 0,
+        }  # fmt: skip
+        reply = (await http.post("/v1/chat/completions", json=body)).json()["choices"][0]
+        assert reply["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(reply["message"]["content"]), person)
+    engine.close()

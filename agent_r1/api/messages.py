@@ -8,7 +8,9 @@ rendered, and an answer turned into `tool_calls`, the same way in both.
   blocks for the bundled models), consecutive tool results as one user turn of `<tool_response>` blocks.
 * `chat_result`: one sampled response -> (content, OpenAI `tool_calls`, finish_reason).
 * `tool_schemas`, `check_unicode`: the request's tools and strings checked, a 400 naming the first bad one.
-* `forced_call`: what a forcing `tool_choice` (`required`, a named function) fixes of the answer's start.
+* `forced_call`: what a forcing `tool_choice` (`required`, a named function) fixes of the answer's start;
+  `answer_grammar`: the grammar the rest of the answer is sampled under (the forced call's arguments, or
+  `response_format`'s JSON), so that the structure the API promises is guaranteed (models/grammar.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from agent_r1.api.schema import APIError, ChatMessage, ToolSpec
 from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.env.tool_calls import ParsedCall, format_tool_responses
 from agent_r1.env.tool_formats import TOOL_FORMATS, ToolFormat, tools_prompt
+from agent_r1.models.grammar import concat, json_schema_grammar, literal, union
 from agent_r1.rollout.text_stream import visible_prefix
 from agent_r1.tools import Tool
 from agent_r1.types import Message
@@ -176,6 +179,62 @@ def forced_call(tool_choice: Any, tools: list[dict], calls: ToolFormat = TOOL_FO
     return calls.opening(name)
 
 
+def answer_grammar(
+    body: Any, tools: list[dict], calls: ToolFormat = TOOL_FORMATS["hermes"], special: tuple[str, ...] = ()
+) -> str | None:
+    """The grammar the sampled answer must match, None when the request promises no structure: after a forced
+    call's opening (`forced_call`, in the prompt), the rest of the call, its arguments valid against the
+    function's schema; else the JSON that `response_format` asks for. `special`: the tokenizer's special
+    tokens, which a grammar cannot write as text (a family whose call syntax needs one after the opening,
+    harmony or Qwen3-Coder's XML, gets the opening alone, as before)."""
+    opening = forced_call(body.tool_choice, tools, calls)
+    if opening:
+        return _call_grammar(body.tool_choice, tools, calls, opening, special)
+    response_format = body.response_format or {"type": "text"}
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_schema_grammar(None)
+    schema = (response_format.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
+    if kind != "json_schema" or not isinstance(schema, dict):
+        message = "response_format must be {'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', "
+        raise APIError(400, message + "'json_schema': {'name': ..., 'schema': {...}}}", param="response_format")
+    try:
+        return json_schema_grammar(schema)
+    except ValueError as exc:
+        raise APIError(400, f"response_format.json_schema.schema: {exc}", param="response_format") from None
+
+
+_ARGUMENTS = "@agent_r1_arguments@"  # stands for a call's arguments while a call is written out around them
+
+
+def _call_grammar(
+    tool_choice: Any, tools: list[dict], calls: ToolFormat, opening: str, special: tuple[str, ...]
+) -> str | None:
+    """The rest of a forced call after `opening`: each allowed function's call as the family writes it, with
+    JSON valid against its parameters where the arguments go; None for a family that does not write
+    arguments as one JSON value, or whose rest of a call holds a special token."""
+    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    choices = []
+    for tool in tools:
+        f = tool["function"]
+        if name is not None and f["name"] != name:
+            continue
+        try:
+            text = calls.format_call(f["name"], _ARGUMENTS)
+        except (AttributeError, TypeError, ValueError):  # a family that writes arguments key by key
+            return None
+        marker = json.dumps(_ARGUMENTS)
+        if text.count(marker) != 1 or not text.startswith(opening):
+            return None
+        head, tail = text[len(opening) :].split(marker)
+        if any(token in head + tail for token in special):
+            return None
+        choices.append(concat(literal(head), json_schema_grammar(f["parameters"]), literal(tail)))
+    return union(*choices)
+
+
 def _runs_on_client(**_: Any) -> None:
     raise RuntimeError("tools given in a request are called by the client, never by the server")
 
@@ -184,12 +243,15 @@ def chat_result(
     text: str, stops: tuple[str, ...], tools: list[dict], finish: str, calls_format: ToolFormat = TOOL_FORMATS["hermes"]
 ) -> tuple[str | None, list, str]:
     """(content, OpenAI tool_calls, finish_reason) of one response, read in the model's family syntax
-    (the request's `tools` type Qwen3-Coder's text values); a malformed call stays content."""
+    (the request's `tools` type Qwen3-Coder's text values). Call markup never reaches the content: a
+    malformed call is cut off with it, as the streamed content withholds it."""
     schemas = {t["function"]["name"]: t for t in tools}
-    calls = [c for c in calls_format.parse(text, schemas) if isinstance(c, ParsedCall)] if tools else []
+    parsed = calls_format.parse(text, schemas) if tools else []
+    calls = [c for c in parsed if isinstance(c, ParsedCall)]
     shown = calls_format.visible(text)
     if not calls:
-        return visible_prefix(shown, stops, final=True), [], "length" if finish == "length" else "stop"
+        ends = (*calls_format.markers, *stops) if parsed else stops  # parsed and none valid: a malformed call
+        return visible_prefix(shown, ends, final=True), [], "length" if finish == "length" else "stop"
     openai_calls = [
         {
             "id": f"call_{uuid.uuid4().hex[:24]}",

@@ -115,8 +115,11 @@ def to_chat(body: ResponsesRequest, history: list[dict[str, Any]], cls: type[Cha
         choice = body.tool_choice
         named = isinstance(choice, dict) and choice.get("type") == "function"
         chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}} if named else choice
-    if (body.text or {}).get("format"):
-        chat["response_format"] = body.text["format"]
+    fmt = (body.text or {}).get("format")
+    if fmt and fmt.get("type") == "json_schema":  # Responses flattens what chat nests under "json_schema"
+        chat["response_format"] = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    elif fmt:
+        chat["response_format"] = fmt
     return cls.model_validate(chat)
 
 

@@ -104,7 +104,9 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1)
     n: int = Field(1, ge=1)  # answers sampled from the same prompt, each with its own seed (seed + k)
     logprobs: bool = False
-    response_format: dict[str, Any] | None = None  # {"type": "text"} only: no constrained decoding
+    # {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}: the
+    # JSON ones are guaranteed by sampling under a grammar (messages.answer_grammar)
+    response_format: dict[str, Any] | None = None
     stream_options: dict[str, Any] | None = None  # {"include_usage": true}: a last chunk with the usage
 
 
@@ -116,6 +118,7 @@ class CompletionRequest(_Request):
     echo: Literal[False] = False
     return_tokens_as_token_ids: bool = False  # vLLM: logprobs.tokens as "token_id:N"
     include_stop_str_in_output: bool = False  # vLLM: keep the stop string at the end of the text
+    structured_outputs: dict[str, Any] | None = None  # vLLM: {"grammar": EBNF} or {"json": a JSON schema}
 
 
 class LoadWeightsRequest(BaseModel):

@@ -31,6 +31,9 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus sampling mass; 1.0 disables it
     stop: tuple[str, ...] = ()  # generation ends once the decoded response contains one of these
     seed: int | None = None  # seeds this call's sampling; None continues the engine's own stream
+    # EBNF (xgrammar's dialect, vLLM's `structured_outputs.grammar`) the response must match: tokens it does
+    # not allow next get logit -inf, so log-probs are over the allowed tokens (agent_r1/models/grammar.py)
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -259,6 +259,8 @@ class RemoteEngine:
             body["stop"] = list(params.stop)
         if params.seed is not None:
             body["seed"] = params.seed + index
+        if params.grammar is not None:  # vLLM's constrained decoding field (agent-r1 serve reads it too)
+            body["structured_outputs"] = {"grammar": params.grammar}
         return body
 
     async def _one(

@@ -253,6 +253,10 @@ class VLLMEngine:
             skip_special_tokens=False,
             logprobs=0,
             seed=seed,
+            # processed log-probs are taken after the grammar's mask: over the allowed tokens, as the trainer
+            structured_outputs=None
+            if params.grammar is None
+            else self._vllm.sampling_params.StructuredOutputsParams(grammar=params.grammar),
         )
 
     def _drive(self) -> None:

@@ -33,6 +33,9 @@ class Env:
 
     stop: tuple[str, ...] = ()  # extra stop strings for sampling (e.g. "</tool_call>")
     samples: int = 1  # responses sampled at each step (each its own seed); the env picks one (info["choice"])
+    # the grammar the next response is sampled under (EBNF; models/grammar.py), None for free text: the step
+    # records it and the trainer computes its log-probs under the same mask
+    grammar: str | None = None
 
     async def reset(self, task: dict[str, Any]) -> Observation:
         """Start an episode for `task`; return the first observation."""

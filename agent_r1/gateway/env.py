@@ -42,7 +42,14 @@ from typing import Any
 
 from agent_r1.api import bodies
 from agent_r1.api.http import off_loop
-from agent_r1.api.messages import chat_result, check_unicode, forced_call, template_messages, tool_schemas
+from agent_r1.api.messages import (
+    answer_grammar,
+    chat_result,
+    check_unicode,
+    forced_call,
+    template_messages,
+    tool_schemas,
+)
 from agent_r1.api.schema import APIError, ChatMessage
 from agent_r1.env.base import Env, StepResult
 from agent_r1.env.prompt_format import PromptFormat, prompt_format_for
@@ -188,7 +195,7 @@ class ProgramEnv(Env):
             content, calls, finish = chat_result(text, self.client_stops, self.tools, a.finish_reason, calls_format)
             messages.append(bodies.chat_message(content, calls))
             finishes.append(finish)
-            # the model's calls, which the program runs: counted as ToolEnv counts them (malformed ones stay content)
+            # the model's calls, which the program runs: counted as ToolEnv counts them (malformed ones as format errors)
             parsed = calls_format.parse(text, {t["function"]["name"]: t for t in self.tools}) if self.tools else []
             malformed = sum(isinstance(c, ParseError) for c in parsed)
             counts.append({"tool_calls": len(calls), "format_errors": malformed})
@@ -336,6 +343,8 @@ class ProgramEnv(Env):
         if pictures and getattr(self.format, "encoder", None) is None:
             raise APIError(400, f"the request has {pictures} image(s) but the policy reads text only", param="messages")
         forced = forced_call(body.tool_choice, tools, self.format.tool_format)
+        special = tuple(self.format.tokenizer.all_special_tokens)
+        grammar = answer_grammar(body, tools, self.format.tool_format, special)  # what the API promises
         tools_key = json.dumps(tools, sort_keys=True)
         sent = [_key(m) for m in body.messages]
         turn, new, choice = self._attach(body.messages, sent, tools_key, bool(tools))
@@ -357,7 +366,7 @@ class ProgramEnv(Env):
         self.attached = "merged" if new is not None else "branched" if turn is not None else "fresh"
         self.call, self.prompt, self.images = call, ids, images
         self.choice = choice if turn is not None and turn is self.turns[-1] else 0
-        self.forced, self.samples = forced, body.n
+        self.forced, self.samples, self.grammar = forced, body.n, grammar
         self.sent, self.sent_tools = sent, tools_key
         self.request_messages, self.tools = body.messages, tools
         self.client_stops = body.stops + tuple(self.format.stop)  # where the answer's visible text ends

@@ -50,8 +50,8 @@ MAX_N = 16  # answers one request may ask for: n samples of one step cost n time
 
 class GatewayChatRequest(ChatCompletionRequest):
     """A chat request as the SDKs send it; `n` is checked here (with a message that says why), `tool_choice`
-    when the episode renders it. `response_format` is not enforced: the policy writes what it writes, and
-    the reward judges it."""
+    and `response_format` when the episode renders it (a forced call and JSON are sampled under a grammar,
+    which the step records for the update)."""
 
     n: int = 1
 

@@ -97,6 +97,7 @@ def _turns(traj: Trajectory, rows: list[dict[str, Any]], tokenizer: Any) -> list
                 "response": s.text,
                 "finish_reason": s.finish_reason,
                 "response_tokens": len(s.response_ids),
+                "grammar": s.grammar,
                 "reward": s.reward,
                 "done": s.done,
                 "advantage": step_adv.get(s.index),
@@ -143,6 +144,7 @@ def trajectory_from_record(record: dict[str, Any]) -> Trajectory:
                 index=turn["index"],
                 finish_reason=turn["finish_reason"],
                 done=turn["done"],
+                grammar=turn.get("grammar"),
             )
         )
     return traj

@@ -132,6 +132,7 @@ class AgentEnvLoop:
                         state,
                         images,
                         out.versions,
+                        params.grammar,
                     )
                 )
                 if done:
@@ -154,10 +155,10 @@ class AgentEnvLoop:
             on_done(traj, index)
 
     def _params(self, env: Env, index: int, turn: int) -> SamplingParams:
-        """The loop's sampling params + the env's stop strings + a per-(trajectory, turn) seed."""
+        """The loop's sampling params + the env's stop strings and grammar + a per-(trajectory, turn) seed."""
         stop = tuple(dict.fromkeys(self.sampling.stop + tuple(env.stop)))
         seed = None if self.seed is None else (self.seed * 1_000_003 + index) * 1_009 + turn
-        return dataclasses.replace(self.sampling, stop=stop, seed=seed)
+        return dataclasses.replace(self.sampling, stop=stop, seed=seed, grammar=env.grammar)
 
     def _prompt(self, obs: Observation | None) -> tuple[list[int], list[Image]]:
         """The prompt's ids and the images of its placeholders."""
@@ -201,6 +202,8 @@ def trajectory_metrics(traj: Trajectory) -> dict[str, float]:
     for i in infos:  # an env's own per-step counts (the gateway's merged and fresh steps), summed per episode
         for name, value in i.get("metrics", {}).items():
             parts[name] = parts.get(name, 0.0) + float(value)
+    if constrained := sum(s.grammar is not None for s in traj.steps):  # sampled under a grammar (models/grammar.py)
+        parts["constrained_steps"] = float(constrained)
     return parts | {
         "reward": traj.reward,
         "turns": float(len(traj.steps)),

@@ -40,6 +40,8 @@ def merge_trajectory(traj: Trajectory) -> list[TrainSequence]:
         row.logprobs += [0.0] * n + step.response_logprobs
         row.step_index += [-1] * n + [step.index] * r
         row.versions += [-1] * n + [_one_version(step.response_versions)] * r
+        if step.grammar is not None:
+            row.grammars[step.index] = step.grammar
     return rows
 
 

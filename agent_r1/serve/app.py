@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import time
 from collections.abc import AsyncIterator, Collection
@@ -41,10 +42,18 @@ from transformers import PreTrainedTokenizerBase
 
 from agent_r1.api import anthropic, bodies, responses
 from agent_r1.api.http import install_error_handlers, off_loop, sse
-from agent_r1.api.messages import chat_result, check_unicode, forced_call, template_messages, tool_schemas
+from agent_r1.api.messages import (
+    answer_grammar,
+    chat_result,
+    check_unicode,
+    forced_call,
+    template_messages,
+    tool_schemas,
+)
 from agent_r1.api.schema import APIError, ChatCompletionRequest, CompletionRequest, LoadWeightsRequest
 from agent_r1.engines.protocol import Engine, GenerateOutput, SamplingParams
 from agent_r1.env.prompt_format import PromptFormat
+from agent_r1.models.grammar import check_grammar, json_schema_grammar
 from agent_r1.models.vision import image_parts
 from agent_r1.rollout.text_stream import TextStream, visible_prefix
 from agent_r1.types import Image, Message
@@ -139,12 +148,14 @@ class _API:
         self._check_chat(body)
         prompt, images, tools, forced = await self._chat_input(body)
         calls_format = self.s.prompt_format.tool_format
+        special = tuple(self.s.tokenizer.all_special_tokens)
+        grammar = await off_loop(answer_grammar, body, tools, calls_format, special)
         stops = body.stops + tuple(self.s.prompt_format.stop)
         max_tokens = self._budget(len(prompt), body.max_completion_tokens or body.max_tokens, "messages")
         one_call = tools and not body.parallel_tool_calls
         params = SamplingParams(
             max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-            stop=(calls_format.stop if one_call else ()) + stops, seed=body.seed,
+            stop=(calls_format.stop if one_call else ()) + stops, seed=body.seed, grammar=grammar,
         )  # fmt: skip
         head = bodies.head("chat", self.s.name)
         rows = [prompt] * body.n  # choice k is sampled with seed + k (the engine's), as vLLM's n
@@ -184,7 +195,7 @@ class _API:
         self._budget(longest, body.max_tokens, "prompt")
         params = SamplingParams(
             max_new_tokens=body.max_tokens or 16, temperature=body.temperature, top_p=body.top_p,
-            stop=body.stops, seed=body.seed,
+            stop=body.stops, seed=body.seed, grammar=await off_loop(self._grammar, body.structured_outputs),
         )  # fmt: skip
         # choice k = prompt k // n, sample k % n; each gets its own seed (engine: seed + k), as in vLLM's n
         rows = [p for p in prompts for _ in range(body.n)]
@@ -194,6 +205,24 @@ class _API:
         outs = await self._generate(request, rows, params)
         choices = [self._completion_choice(k, p, o, body) for k, (p, o) in enumerate(zip(rows, outs, strict=True))]
         return head | {"object": "text_completion", "choices": choices, "usage": bodies.usage(*_usage(rows, outs))}
+
+    def _grammar(self, structured: dict[str, Any] | None) -> str | None:
+        """The grammar of vLLM's `structured_outputs` ({"grammar": EBNF} or {"json": schema}), checked by
+        compiling it: a 400 names what is wrong."""
+        if not structured:
+            return None
+        try:
+            if set(structured) == {"grammar"} and isinstance(structured["grammar"], str):
+                grammar = structured["grammar"]
+            elif set(structured) == {"json"}:
+                schema = structured["json"]
+                grammar = json_schema_grammar(json.loads(schema) if isinstance(schema, str) else schema)
+            else:
+                raise ValueError('give {"grammar": EBNF text} or {"json": a JSON schema}')
+            check_grammar(grammar)
+        except ValueError as exc:
+            raise APIError(400, f"structured_outputs: {exc}", param="structured_outputs") from None
+        return grammar
 
     async def load_weights(self, body: LoadWeightsRequest) -> dict[str, Any]:
         """Read the file, then copy it in between two batches (`between_tokens`: at the next token
@@ -217,20 +246,12 @@ class _API:
             )  # fmt: skip
 
     def _check_chat(self, body: ChatCompletionRequest) -> None:
-        """A 400 for what a chat request asks that this server cannot do: more answers than one batch holds,
-        or an output format it would have to enforce (JSON mode and JSON schemas need constrained decoding)."""
+        """A 400 for more answers than this server decodes at once."""
         limit = self.s.max_batch_size
         if body.n > limit:
             raise APIError(
                 400, f"n={body.n} is more answers than this server decodes at once ({limit}, max_batch_size)",
                 param="n",
-            )  # fmt: skip
-        kind = (body.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise APIError(
-                400, f"response_format type {kind!r} is not supported: this server does no constrained decoding, "
-                "so it cannot guarantee JSON; ask for JSON in the messages and parse the text",
-                param="response_format",
             )  # fmt: skip
 
     def _check_rows(self, body: CompletionRequest) -> None:

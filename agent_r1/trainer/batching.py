@@ -44,6 +44,7 @@ import torch
 from agent_r1.distributed.fsdp import ROOT_FORWARD
 from agent_r1.distributed.group import SINGLE, Dist
 from agent_r1.engines.protocol import SLOT_ATTENTION
+from agent_r1.models.grammar import allowed
 from agent_r1.models.precision import autocast, model_device
 from agent_r1.models.tree_attention import TREE_KWARG, Tree, tree
 from agent_r1.models.vision import embed_with_images, image_token_id, placeholder_keys, rope_index, rope_positions
@@ -66,6 +67,10 @@ class Row:
     version: torch.Tensor | None = None  # long: the version that sampled each token's step (-1: none, or several)
     images: list[Image] = field(default_factory=list)  # the images of input_ids' placeholders, in order
     key: torch.Tensor | None = None  # long [T]: input_ids with placeholders as image keys (rows with images)
+    # sampled under a grammar: the positions [K] of those tokens, and the bitmask [K, ceil(V / 32)] (int32) of
+    # the tokens the grammar allowed there (models/grammar.py), under which their log-probs are computed
+    constrained: torch.Tensor | None = None
+    allowed: torch.Tensor | None = None
 
 
 @dataclass
@@ -93,6 +98,8 @@ class MicroBatch:
     # [M] positions of the sampled tokens (mask == 1), found on the CPU while packing: `nonzero` on the
     # device would wait for the GPU at every micro-batch (its output size is data-dependent)
     targets: torch.Tensor | None = None
+    constrained: torch.Tensor | None = None  # [K] positions of tokens sampled under a grammar (Row.constrained)
+    allowed: torch.Tensor | None = None  # [K, W] int32 their grammars' bitmasks
 
     @property
     def images(self) -> list[Image]:
@@ -270,6 +277,11 @@ def _concat(rows: list[Row], share: bool, device: torch.device | str = "cpu") ->
         rows=rows,
         targets=targets,
     )
+    if any(r.constrained is not None for r in rows):
+        starts = [0, *torch.tensor([len(r.input_ids) for r in rows]).cumsum(0).tolist()]
+        held = [(r, s) for r, s in zip(rows, starts, strict=False) if r.constrained is not None]
+        mb.constrained = torch.cat([r.constrained + s for r, s in held]).to(device)
+        mb.allowed = torch.cat([r.allowed for r, _ in held]).to(device)
     if share:
         take, src, spans, paths, mb.shared = _trie(rows)
         mb.take, mb.src, mb.tree = take.to(device), src.to(device), tree(spans, paths).to(device)
@@ -331,6 +343,8 @@ def token_logprobs(
             logits = logits / value
     if temperature != 1.0:
         logits = logits / temperature
+    if mb.constrained is not None:  # tokens sampled under a grammar: log-probs over what it allowed, as sampled
+        logits = _grammar_masked(logits, targets, mb.constrained, mb.allowed)
     ids = mb.input_ids[targets]  # [M]
     if entropy and entropy_grad and torch.is_grad_enabled():  # an entropy bonus: autograd through both
         lse = torch.logsumexp(logits, dim=-1)  # [M]
@@ -341,6 +355,22 @@ def token_logprobs(
     logp = picked.new_zeros(len(mb.input_ids)).index_put((targets,), picked)
     ent = per_token.new_zeros(len(mb.input_ids)).index_put((targets,), per_token) if entropy else None
     return logp, ent, states if hidden else None
+
+
+def _grammar_masked(
+    logits: torch.Tensor, targets: torch.Tensor, constrained: torch.Tensor, bits: torch.Tensor
+) -> torch.Tensor:
+    """logits [M, V] with every token a grammar did not allow at a constrained target set to the lowest float:
+    the engine sampled those tokens from the softmax over the allowed ones (models/grammar.py), so the
+    ratio's log-probs are taken over them too, and the disallowed tokens get no gradient. (The lowest float,
+    not -inf: 0 x -inf would make the entropy NaN.)"""
+    if not len(targets):
+        return logits
+    k = torch.searchsorted(targets, constrained).clamp_(max=len(targets) - 1)  # [K] its row among the targets
+    hit = targets[k] == constrained  # [K] False for a constrained token outside the loss mask (unseen)
+    banned = torch.zeros_like(logits, dtype=torch.bool)  # [M, V]
+    banned[k[hit]] = ~allowed(bits[hit], logits.shape[-1])
+    return logits.masked_fill(banned, torch.finfo(logits.dtype).min)
 
 
 class _TokenLogprobs(torch.autograd.Function):

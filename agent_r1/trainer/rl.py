@@ -41,6 +41,7 @@ from agent_r1.config import to_dict
 from agent_r1.distributed.group import init_distributed
 from agent_r1.engines.protocol import engine_busy_s
 from agent_r1.env.base import Env
+from agent_r1.models.grammar import model_grammars
 from agent_r1.models.vision import image_token_id
 from agent_r1.observe.plot import plot_metrics, read_metrics
 from agent_r1.observe.records import step_path
@@ -109,7 +110,12 @@ def train(
 
             # 3. rows (merged once), reference log-probs, old values -----------------------------------
             sequences = [merge_trajectory(t) for t in trajs]
-            rows, where = build_rows(train_trajs, [sequences[i] for i in kept], image_token_id(run.model))
+            rows, where = build_rows(
+                train_trajs,
+                [sequences[i] for i in kept],
+                image_token_id(run.model),
+                lambda: model_grammars(run.model, run.tokenizer),
+            )
             dropped: set[str] = set()  # groups without a group-relative signal
             if cfg.algo.estimator in adv_fns.GROUP_ESTIMATORS:
                 alone = {g for g, n in Counter(groups).items() if n == 1}  # the rest errored: no baseline

@@ -7,6 +7,7 @@ quantities (rewards, advantages, KL) move between the two through `RowIndex`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,9 +17,12 @@ from agent_r1.algos.advantages import token_advantages
 from agent_r1.algos.losses import kl_penalty
 from agent_r1.algos.off_policy import drift_metrics, truncated_is_weights
 from agent_r1.distributed.group import SINGLE, Dist
+from agent_r1.models.grammar import Grammars
 from agent_r1.observe.records import trajectory_records, write_records
 from agent_r1.trainer.batching import Row, forward_rows, image_row_key, token_logprobs
 from agent_r1.types import TrainSequence, Trajectory
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,10 +35,14 @@ class RowIndex:
 
 
 def build_rows(
-    trajs: list[Trajectory], sequences: list[list[TrainSequence]], image_token: int | None = None
+    trajs: list[Trajectory],
+    sequences: list[list[TrainSequence]],
+    image_token: int | None = None,
+    grammars: Callable[[], Grammars] | None = None,
 ) -> tuple[list[Row], RowIndex]:
     """Rows of every trajectory from `sequences[i]`, its merged rows, with one segment id per step
-    response (GSPO's sequences, the seq-mean aggregations); `image_token` is a VLM's placeholder id."""
+    response (GSPO's sequences, the seq-mean aggregations); `image_token` is a VLM's placeholder id;
+    `grammars` gives the compiled grammars of the policy's tokenizer, for steps sampled under one."""
     rows, owners, step_idx = [], [], []
     seg_base = 0
     for ti, (t, seqs) in enumerate(zip(trajs, sequences, strict=True)):
@@ -52,11 +60,31 @@ def build_rows(
                     version=torch.tensor(seq.versions) if seq.versions else None,
                 )
             )
+            if seq.grammars and grammars is not None:
+                _grammar_masks(rows[-1], sidx, seq.grammars, grammars())
             owners.append(ti)
             step_idx.append(sidx)
         seg_base += len(t.steps)
     step_tokens = [torch.tensor([len(s.response_ids) for s in t.steps], dtype=torch.float32) for t in trajs]
     return rows, RowIndex(owners, step_idx, step_tokens)
+
+
+def _grammar_masks(row: Row, sidx: torch.Tensor, by_step: dict[int, str], grammars: Grammars) -> None:
+    """The bitmask before each token its step's grammar constrained, by replaying the grammar over the step's
+    sampled ids (models/grammar.py says why this is the engine's mask). A step whose ids the grammar refuses
+    (sampled by an engine with another vocabulary, say) cannot have its distribution rebuilt: it stays in the
+    row as context and is not trained."""
+    positions, masks = [], []
+    for k, grammar in sorted(by_step.items()):
+        where = (sidx == k).nonzero().squeeze(-1)  # [R] the step's sampled tokens
+        try:
+            masks.append(grammars.masks(grammar, row.input_ids[where].tolist()))
+            positions.append(where)
+        except ValueError as exc:
+            logger.warning("step %d is not trained: %s", k, exc)
+            row.mask[where] = 0.0
+    if positions:
+        row.constrained, row.allowed = torch.cat(positions), torch.cat(masks)
 
 
 @torch.no_grad()

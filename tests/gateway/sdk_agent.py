@@ -17,15 +17,21 @@ from openai import OpenAI
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository root
 from examples.calculator_agent import CALCULATOR, calculate  # the example agent's schema and tool
 
-__all__ = ["CALCULATOR", "calculate", "run"]
+__all__ = ["CALCULATOR", "calculate", "run", "run_forced"]
 
 
-def run(task: dict, base_url: str | None = None, api_key: str | None = None, rewrite: bool = False) -> str:
-    """Ask, run the calculator for every call, ask again, until the model answers; return the answer."""
+def run(
+    task: dict, base_url: str | None = None, api_key: str | None = None, rewrite: bool = False, force: bool = False
+) -> str:
+    """Ask, run the calculator for every call, ask again, until the model answers; return the answer. With
+    `force`, the first request forces a tool call (`tool_choice="required"`)."""
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages: list[dict] = [{"role": "user", "content": task["question"]}]
-    for _ in range(4):
-        reply = client.chat.completions.create(model="gpt-4o-mini", messages=messages, tools=[CALCULATOR])
+    for turn in range(4):
+        choice = "required" if force and turn == 0 else "auto"
+        reply = client.chat.completions.create(
+            model="gpt-4o-mini", messages=messages, tools=[CALCULATOR], tool_choice=choice
+        )
         message = reply.choices[0].message
         if not message.tool_calls:
             return message.content or ""
@@ -36,6 +42,11 @@ def run(task: dict, base_url: str | None = None, api_key: str | None = None, rew
         if rewrite:
             messages = [m for m in messages if m["role"] != "assistant"]
     return ""
+
+
+def run_forced(task: dict, base_url: str | None = None, api_key: str | None = None) -> str:
+    """`run`, its first request forcing a tool call."""
+    return run(task, base_url, api_key, force=True)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,13 @@ import contextlib
 import json
 
 import httpx
+import pytest
 from openai import APITimeoutError, BadRequestError, OpenAI
 
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.env.tool_calls import CALL_CLOSE, format_tool_call, format_tool_responses, tools_system_prompt
 from agent_r1.gateway import ProgramEnv, gateway
+from agent_r1.models.grammar import Grammars
 from agent_r1.types import Action, Termination
 from tests.gateway.sdk_agent import CALCULATOR
 
@@ -189,6 +191,10 @@ async def test_a_forcing_tool_choice_opens_the_call_in_the_prompt_and_the_policy
     assert first.token_ids == question + opening  # "required": the call is open, the policy names the tool
     rest = '{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
     assert tokenizer.decode(opening) + rest == format_tool_call("calculator", {"expression": "6 * 7"})
+    grammars = Grammars(tokenizer, len(tokenizer), {tokenizer.eos_token_id})
+    grammars.masks(env.grammar, tokenizer.encode(rest, add_special_tokens=False))  # the rest is what it allows
+    with pytest.raises(ValueError, match="not allowed"):  # a call to no tool of the request's
+        grammars.masks(env.grammar, tokenizer.encode('{"name": "search", "arguments": {}}', add_special_tokens=False))
     act = say(tokenizer, rest)
     second = await env.step(act)
     assert second.info["tool_calls"] == 1 and second.info["metrics"]["gateway/merged_steps"] == 1.0
@@ -196,10 +202,15 @@ async def test_a_forcing_tool_choice_opens_the_call_in_the_prompt_and_the_policy
     context = first.token_ids + act.token_ids + fmt.continuation(results, False)  # the opening stays, as shown
     named = tokenizer.encode('<tool_call>\n{"name": "calculator", "arguments":', add_special_tokens=False)
     assert second.observation.token_ids == context + named  # a named function: only its arguments are sampled
+    echo = ' {"type": "object", "properties": {"expression": {"type": "string"}}}}'  # the schema written back
+    with pytest.raises(ValueError, match="not allowed"):
+        grammars.masks(env.grammar, tokenizer.encode(echo, add_special_tokens=False))
     act2 = say(tokenizer, ' {"expression": "42 * 1"}}\n</tool_call>')
+    grammars.masks(env.grammar, act2.token_ids)
     third = await env.step(act2)
     assert third.info["metrics"]["gateway/merged_steps"] == 1.0
     assert third.observation.token_ids == context + named + act2.token_ids + fmt.continuation(results, False)
+    assert env.grammar is None  # the last request forces nothing: free text
     assert (await env.step(say(tokenizer, "42", "eos"))).done
     await env.close()
     errors, calls = seen["value"]

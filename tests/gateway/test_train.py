@@ -27,8 +27,12 @@ def reward(task, episode, output) -> float:
 
 @pytest.mark.parametrize(
     ("program", "staleness"),
-    [({"command": AGENT}, 0), ({"function": "tests.gateway.sdk_agent:run"}, 1)],
-    ids=["lockstep-command", "async-function"],
+    [
+        ({"command": AGENT}, 0),
+        ({"function": "tests.gateway.sdk_agent:run"}, 1),
+        ({"function": "tests.gateway.sdk_agent:run_forced"}, 0),
+    ],
+    ids=["lockstep-command", "async-function", "forced-call"],
 )
 def test_two_rl_steps_through_the_gateway(tmp_path, tokenizer, tool_model_dir, program, staleness):
     model = AutoModelForCausalLM.from_pretrained(tool_model_dir)
@@ -48,6 +52,8 @@ def test_two_rl_steps_through_the_gateway(tmp_path, tokenizer, tool_model_dir, p
         # fp32 noise of the overfit tool model's peaked logits under oneDNN: ToolEnv's rollouts of this model
         # drift the same 1.05e-4, to the digit; a token the gateway misplaced would be off by whole nats
         assert h["logprob_drift_max"] < 2e-4
+        # a forced first call is sampled under the grammar, and the update's log-probs are under its mask too
+        assert h.get("constrained_steps", 0.0) == (1.0 if "forced" in str(program) else 0.0)
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["gateway/merged_steps"] for m in logged] == [h["gateway/merged_steps"] for h in hist]
 

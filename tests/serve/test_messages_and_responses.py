@@ -168,7 +168,7 @@ async def test_responses_stream_accumulates_to_the_whole_response(openai):
         ({"tools": [{"type": "web_search"}]}, "tools[0]"),
         ({"input": [{"type": "computer_call", "call_id": "c"}]}, "input[0]"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input[0]"),
-        ({"text": {"format": {"type": "json_object"}}}, "response_format"),
+        ({"text": {"format": {"type": "xml"}}}, "response_format"),
     ],
 )
 async def test_bad_responses_requests_are_openai_style_400s(openai, extra, param):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import jsonschema
 import pytest
 from openai import AsyncOpenAI, BadRequestError
 
@@ -64,7 +65,10 @@ async def test_tool_choice_none_hides_the_tools(sdk):
         ({"tool_choice": "required"}, "tool_choice", "the request lists no tools"),
         ({"tools": CALCULATOR, "tool_choice": {"type": "function", "function": {"name": "search"}}}, "tool_choice",
          "'search', which is not among the request's tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "no constrained decoding"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
+         "response_format must be"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+         "response_format", 'unsupported JSON schema: Unsupported type "nonsense"'),
         ({"n": 10_000}, "n", "max_batch_size"),
     ],
 )  # fmt: skip
@@ -114,3 +118,28 @@ async def test_n_streamed_gives_each_choice_its_own_chunks(sdk):
         for c in chunk.choices:
             texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
     assert sorted(texts) == [0, 1] and all(texts.values())
+
+
+VERDICT = {
+    "type": "object",
+    "properties": {"verdict": {"enum": ["yes", "no"]}, "confidence": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["verdict", "confidence"],
+}
+
+
+async def test_response_format_json_schema_is_guaranteed_by_the_grammar(sdk):
+    """The overfit tool model writes a tool call, never JSON, on its own; at temperature 1.5 under the grammar
+    every answer is JSON the schema accepts, also streamed, also through the Responses API."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": VERDICT}}
+    question = [{"role": "user", "content": "Is 6 * 7 = 42? Answer as JSON."}]
+    ask = dict(model=NAME, messages=question, max_tokens=60, temperature=1.5, seed=5, response_format=response_format)
+    reply = await sdk.chat.completions.create(**ask, n=3)
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), VERDICT)
+    stream = await sdk.chat.completions.create(**ask, stream=True)
+    streamed = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+    assert streamed == reply.choices[0].message.content  # choice 0 has the same seed
+    text = {"format": {"type": "json_schema", "name": "verdict", "schema": VERDICT}}
+    answer = await sdk.responses.create(model=NAME, input=question[0]["content"], text=text, temperature=1.5)
+    jsonschema.validate(json.loads(answer.output_text), VERDICT)

@@ -70,6 +70,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -78,6 +79,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from agent_r1.engines.cpu.decode_attention import kernel_for
 from agent_r1.engines.cpu.kv_cache import Segment, SlotCache, use_slot_attention
 from agent_r1.engines.protocol import GenerateOutput, SamplingParams, TokenCallback, alias_key, full_state_dict
+from agent_r1.models.grammar import Grammars, model_grammars
 from agent_r1.models.loading import eos_token_ids
 from agent_r1.models.onednn import Packs, packed_weights
 from agent_r1.models.precision import autocast, model_device
@@ -191,6 +193,7 @@ class _Seq:
     n: int = 0  # columns of its slot holding keys: tokens the model has seen
     leader: _Seq | None = None  # a GRPO group's first row, prefilled once: this row copies its keys when done
     followers: list[_Seq] = field(default_factory=list)  # the rows that wait for this one's prefill
+    matcher: Any = None  # where its grammar is (params.grammar), an xgrammar GrammarMatcher
 
 
 class Cohort:
@@ -492,6 +495,8 @@ class LocalEngine:
         budget = min(params.max_new_tokens, self.max_context - len(prompt))
         key = placeholder_keys(prompt, images, self.image_token_id)
         s = _Seq(list(prompt), params, seed, gen, budget, emit, done, cancelled, images=list(images), key=key)
+        if params.grammar is not None:  # a grammar that does not compile fails the call, before it queues
+            s.matcher = self._grammars().matcher(params.grammar)
         if images and self._rope_index is not None:  # positions from the model's own function
             s.rope = rope_positions(self._rope_index, prompt, images, self.image_token_id)  # [3, P]
             s.delta = int(s.rope.max()) + 1 - len(prompt)
@@ -919,7 +924,11 @@ class LocalEngine:
 
     def _sample(self, rows: list[_Seq], logits: torch.Tensor) -> None:
         """Sample each row's next token, report it, and let finished rows leave the batch."""
-        tokens, logprobs = _sample(logits.float(), [s.params for s in rows], [s.gen for s in rows])
+        logits = logits.float()  # [b, V]
+        constrained = {i: s.matcher for i, s in enumerate(rows) if s.matcher is not None}
+        if constrained:  # what each row's grammar does not allow next gets -inf
+            self._grammars().apply(logits, constrained)
+        tokens, logprobs = _sample(logits, [s.params for s in rows], [s.gen for s in rows])
         finished = []
         for s, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):  # one copy to the host
             s.out_ids.append(tok)
@@ -933,6 +942,8 @@ class LocalEngine:
                 s.finish = "eos"
             elif stop and _hits_stop(self.tokenizer, s.out_ids[-(max(map(len, stop)) + 2) :], stop):
                 s.finish = "stop"
+            elif s.matcher is not None and (not s.matcher.accept_token(tok) or s.matcher.is_terminated()):
+                s.finish = "stop"  # the grammar is finished (with no stop token to end it)
             elif len(s.out_ids) < s.budget:
                 continue
             finished.append(s)
@@ -940,6 +951,10 @@ class LocalEngine:
             self._park(s)
             self._answered(s)
             s.done(self._output(s))
+
+    def _grammars(self) -> Grammars:
+        """The compiled grammars for this model's tokenizer and logits (built at the first grammar)."""
+        return model_grammars(self.model, self.tokenizer)
 
     def _answered(self, s: _Seq) -> None:
         """A cohort member whose rows have all finished is between turns until it asks again or leaves."""
