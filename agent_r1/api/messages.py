@@ -243,15 +243,14 @@ def chat_result(
     text: str, stops: tuple[str, ...], tools: list[dict], finish: str, calls_format: ToolFormat = TOOL_FORMATS["hermes"]
 ) -> tuple[str | None, list, str]:
     """(content, OpenAI tool_calls, finish_reason) of one response, read in the model's family syntax
-    (the request's `tools` type Qwen3-Coder's text values). Call markup never reaches the content: a
-    malformed call is cut off with it, as the streamed content withholds it."""
+    (the request's `tools` type Qwen3-Coder's text values). A malformed call stays content, as vLLM's parsers
+    leave it: the program can show the model its error, and a framework given no content and no call fails
+    the episode. (A forced call is sampled under a grammar, so it always parses: `answer_grammar`.)"""
     schemas = {t["function"]["name"]: t for t in tools}
-    parsed = calls_format.parse(text, schemas) if tools else []
-    calls = [c for c in parsed if isinstance(c, ParsedCall)]
+    calls = [c for c in calls_format.parse(text, schemas) if isinstance(c, ParsedCall)] if tools else []
     shown = calls_format.visible(text)
     if not calls:
-        ends = (*calls_format.markers, *stops) if parsed else stops  # parsed and none valid: a malformed call
-        return visible_prefix(shown, ends, final=True), [], "length" if finish == "length" else "stop"
+        return visible_prefix(shown, stops, final=True), [], "length" if finish == "length" else "stop"
     openai_calls = [
         {
             "id": f"call_{uuid.uuid4().hex[:24]}",

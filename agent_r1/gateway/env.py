@@ -195,7 +195,7 @@ class ProgramEnv(Env):
             content, calls, finish = chat_result(text, self.client_stops, self.tools, a.finish_reason, calls_format)
             messages.append(bodies.chat_message(content, calls))
             finishes.append(finish)
-            # the model's calls, which the program runs: counted as ToolEnv counts them (malformed ones as format errors)
+            # the model's calls, which the program runs: counted as ToolEnv counts them (malformed ones stay content)
             parsed = calls_format.parse(text, {t["function"]["name"]: t for t in self.tools}) if self.tools else []
             malformed = sum(isinstance(c, ParseError) for c in parsed)
             counts.append({"tool_calls": len(calls), "format_errors": malformed})
