@@ -44,7 +44,8 @@ from agent_r1.env.context import ContextConfig
 from agent_r1.env.prompt_format import prompt_format_for
 
 BUILTIN_TASKS = (
-    "bfcl", "calculator", "digits", "dossiers", "gateway", "gsm8k", "hotpotqa", "openenv", "reasoning_gym", "tau2",
+    "bfcl", "calculator", "coding", "digits", "dossiers", "gateway", "gsm8k", "hotpotqa", "openenv", "reasoning_gym",
+    "tau2",
 )  # fmt: skip
 REQUIRED = ("Options", "tasks", "make_env")
 

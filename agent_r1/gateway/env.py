@@ -127,12 +127,16 @@ class ProgramEnv(Env):
         max_reward: float = 100.0,
         task_fields: Sequence[str] = ("question",),
         scratch: bool = False,
+        prepare: Callable[[dict[str, Any], str], None] | None = None,
     ) -> None:
         """`env`: variables set for a command; `pass_env`: names of the trainer's own it may inherit beyond
         `INHERITED_ENV`; `max_reward`: a posted reward outside [-max_reward, max_reward] is refused (4xx);
         `task_fields`: the task's fields the program is given (the reward function gets them all), also as
         `{field}` in a command's arguments; `scratch`: a command runs in a fresh directory of its own (its
-        working directory and HOME), removed when the episode ends."""
+        working directory and HOME), removed when the episode ends; `prepare(task, directory)` fills that
+        directory before the program starts (a coding task's repository)."""
+        if prepare is not None and not scratch:
+            raise ValueError("prepare fills the episode's scratch directory: it needs scratch=True")
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         if not timeout_s > 0:
@@ -153,7 +157,7 @@ class ProgramEnv(Env):
         if not max_reward > 0:
             raise ValueError(f"max_reward must be > 0, got {max_reward}")
         self.max_reward = max_reward
-        self.cwd, self.scratch, self.workdir = cwd, scratch, None
+        self.cwd, self.scratch, self.workdir, self.prepare = cwd, scratch, None, prepare
         self.stop: tuple[str, ...] = tuple(prompt_format.stop)  # the current request's (read before each turn)
         self.samples = 1  # the current request's `n`: the rollout loop samples this many answers
         self.mailbox: Mailbox | None = None
@@ -176,7 +180,7 @@ class ProgramEnv(Env):
         self.mailbox = self.gateway.open()
         self.mailbox.max_reward, self.mailbox.count_tokens = self.max_reward, self._count_tokens
         self.base_url, self.api_key = self.gateway.base_url(self.mailbox), self.mailbox.token
-        await self._start({k: task[k] for k in self.task_fields if k in task})  # the answer stays with the reward
+        await self._start({k: task[k] for k in self.task_fields if k in task}, task)  # the answer stays with the reward
         event = await self._wait(render=True)
         if isinstance(event, _Exit):
             raise ProgramError(self._failure(event))
@@ -213,7 +217,7 @@ class ProgramEnv(Env):
         if unseen:
             info["unseen"] = True
         if isinstance(event, _Exit):
-            reward, end = self._end(event)
+            reward, end = await asyncio.to_thread(self._end, event)  # a reward may run tests: off the loop
             return StepResult(None, reward, True, info | end)
         if isinstance(event, Call):  # the turn budget is spent: the episode ends as ToolEnv's does, reward 0
             event.reply(APIError(400, f"this episode's turn budget (max_turns={self.max_turns}) is spent"))
@@ -246,7 +250,8 @@ class ProgramEnv(Env):
             self.workdir = None
 
     # --- the program ---------------------------------------------------------------------------------
-    async def _start(self, task: dict[str, Any]) -> None:
+    async def _start(self, task: dict[str, Any], whole: dict[str, Any]) -> None:
+        """Start the program given `task` (the fields it may see); `prepare` gets the `whole` task."""
         payload = json.dumps(task)
         if callable(self.program):
             self._start_function(json.loads(payload))
@@ -256,6 +261,8 @@ class ProgramEnv(Env):
         if self.scratch:  # the episode's own directory: what the harness writes (files, its config) stays there
             self.workdir = cwd = tempfile.mkdtemp(prefix="agent-r1-episode-")
             env["HOME"] = cwd
+            if self.prepare is not None:
+                await asyncio.to_thread(self.prepare, whole, cwd)
         env["OPENAI_BASE_URL"], env["OPENAI_API_KEY"] = self.base_url, self.api_key
         # Anthropic's SDK appends /v1/messages to its base URL itself
         env["ANTHROPIC_BASE_URL"], env["ANTHROPIC_API_KEY"] = self.base_url.removesuffix("/v1"), self.api_key
@@ -551,24 +558,27 @@ class ProgramEnvFactory:
     max_reward: float = 100.0  # a posted reward outside [-max_reward, max_reward] is refused
     task_fields: tuple[str, ...] = ("question",)  # the task's fields the program is given
     scratch: bool = False  # each episode's command runs in a fresh directory (cwd and HOME) of its own
+    prepare: str | Callable[[dict[str, Any], str], None] | None = None  # prepare(task, directory), or its path
 
     def __post_init__(self) -> None:
         if (self.command is None) == (self.function is None):
             raise ValueError("give the agent program as exactly one of command or function")
         if isinstance(self.command, list):
             object.__setattr__(self, "command", tuple(self.command))
-        for what, path in (("function", self.function), ("reward", self.reward)):
+        for what, path in (("function", self.function), ("reward", self.reward), ("prepare", self.prepare)):
             if isinstance(path, str):
                 import_path(path, what)  # a typo fails here, not in the first episode
 
     def __call__(self) -> ProgramEnv:
         fn = import_path(self.function, "function") if isinstance(self.function, str) else self.function
         reward = import_path(self.reward, "reward") if isinstance(self.reward, str) else self.reward
+        prepare = import_path(self.prepare, "prepare") if isinstance(self.prepare, str) else self.prepare
         fmt = prompt_format_for(self.tokenizer, self.chat, self.tool_format)
         return ProgramEnv(
             self.command if self.command is not None else fn, fmt,
             reward, timeout_s=self.timeout_s, max_turns=self.max_turns, env=dict(self.env), cwd=self.cwd,
             pass_env=self.pass_env, max_reward=self.max_reward, task_fields=self.task_fields, scratch=self.scratch,
+            prepare=prepare,
         )  # fmt: skip
 
 

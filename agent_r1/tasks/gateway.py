@@ -44,6 +44,9 @@ class Options:
     scratch: bool = False
     """run each episode's command in a fresh directory of its own (its working directory and HOME), removed
     when the episode ends; the reward function finds it in output.workdir"""
+    prepare: str | None = None
+    """pkg.module:function, called as function(task, directory) to fill the scratch directory before the
+    program starts (a repository to work on); needs scratch=true"""
 
     def __post_init__(self) -> None:
         if self.command is not None and self.function is not None:
@@ -54,7 +57,13 @@ class Options:
             raise ValueError(f"task.timeout_s must be > 0, got {self.timeout_s}")
         if not self.max_reward > 0:
             raise ValueError(f"task.max_reward must be > 0, got {self.max_reward}")
-        for key, path in (("task.function", self.function), ("task.reward", self.reward)):
+        if self.prepare is not None and not self.scratch:
+            raise ValueError("task.prepare fills the episode's scratch directory: set task.scratch=true")
+        for key, path in (
+            ("task.function", self.function),
+            ("task.reward", self.reward),
+            ("task.prepare", self.prepare),
+        ):
             if path is not None:
                 import_path(path, key)  # a typo fails at start, not in the first episode
 
@@ -75,5 +84,5 @@ def make_env(options: Options, prompt_format: PromptFormat, max_turns: int = 8) 
     return ProgramEnv(
         program, prompt_format, reward, timeout_s=options.timeout_s, max_turns=max_turns,
         pass_env=options.pass_env, max_reward=options.max_reward, task_fields=options.task_fields,
-        scratch=options.scratch,
+        scratch=options.scratch, prepare=import_path(options.prepare, "task.prepare") if options.prepare else None,
     )  # fmt: skip

@@ -223,6 +223,26 @@ def _parse_reply(line: bytes) -> dict | None:
     return reply if isinstance(reply, dict) and keys <= reply.keys() else None
 
 
+def run_in_directory(
+    argv: list[str], directory: Path, isolation: Isolation = "bwrap", timeout_s: float = 30.0
+) -> tuple[int | None, str]:
+    """(exit code, the output's tail) of a command over files model-written code touched (a coding task's
+    tests), run in `directory` with a clean environment and, under bwrap, as the python tool's code runs:
+    the directory writable at /tmp, the rest of the host read-only, no network, this user's home hidden.
+    The exit code is None when it ran past `timeout_s` (killed)."""
+    isolation = resolve_isolation(isolation)
+    command = _bwrap_prefix(directory) + argv if isolation == "bwrap" else argv
+    cwd = "/" if isolation == "bwrap" else str(directory)
+    try:
+        done = subprocess.run(
+            command, cwd=cwd, env=_clean_env(Path("/tmp") if isolation == "bwrap" else directory),
+            capture_output=True, timeout=timeout_s, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout_s:g}s"
+    return done.returncode, (done.stdout + done.stderr).decode(errors="replace")[-2000:]
+
+
 def _clean_env(home: Path) -> dict[str, str]:
     """A minimal environment: nothing of the trainer's (tokens, keys) leaks into model code."""
     return {

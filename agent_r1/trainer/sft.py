@@ -22,6 +22,7 @@ from rich.console import Console
 from transformers import PreTrainedTokenizerBase
 
 from agent_r1.config import to_dict
+from agent_r1.env.base import Env
 from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.env.tool_env import ToolEnv
 from agent_r1.env.tool_formats import ToolFormatName
@@ -121,7 +122,7 @@ def demo_to_sequence(
 
 
 def replay_demo(
-    demo: list[Message], task: dict[str, Any], env: ToolEnv, summary: Callable[[dict, list[Message]], str] | None
+    demo: list[Message], task: dict[str, Any], env: Env, summary: Callable[[dict, list[Message]], str] | None
 ) -> list[Step]:
     """The steps of a demonstration under a managed context (`task.context`, env/context.py): its
     assistant turns are replayed through the env, which runs the tools and shows each next prompt as a
@@ -134,12 +135,13 @@ def replay_demo(
     async def run() -> list[Step]:
         obs, steps = await env.reset(task), []
         while obs is not None:
-            if env.managed is not None and env.managed.awaiting_summary:
+            managed = getattr(env, "managed", None)  # ToolEnv's managed context, if any
+            if managed is not None and managed.awaiting_summary:
                 if summary is None:
                     raise ValueError(
                         "task.context.strategy=summarize needs the task's summary() for SFT demonstrations"
                     )
-                text = summary(task, env.managed.view(request=True))  # what the model sees when it writes one
+                text = summary(task, managed.view(request=True))  # what the model sees when it writes one
             elif (text := next(turns, None)) is None:
                 break
             ids = tokenizer.encode(text, add_special_tokens=False)
@@ -160,13 +162,17 @@ def replay_demo(
     return asyncio.run(run_and_close())
 
 
-def demo_rows(cfg: SFTConfig, env: ToolEnv, make_env: Callable[[], ToolEnv]) -> list[TrainSequence]:
+def demo_rows(cfg: SFTConfig, env: Env, make_env: Callable[[], Env]) -> list[TrainSequence]:
     """Every demonstration as training rows: one row each (`demo_to_sequence`), or, under a managed
-    context, the rows of its replay (demo i must be of `tasks(train)[i]`, which is checked)."""
+    context or for an env that is not a ToolEnv (an agent program's), the rows of its replay through the
+    env (demo i must be of `tasks(train)[i]`, which is checked)."""
     module, options = cfg.task.module, cfg.task.options
-    demos = [env.in_model_format(d) for d in module.demos(options, env, cfg.num_examples, cfg.seed)]
-    if env.context_cfg is None:
-        return [demo_to_sequence(d, env.prompt_prefix, env.format, env.format.tokenizer) for d in demos]
+    demos = module.demos(options, env, cfg.num_examples, cfg.seed)
+    if isinstance(env, ToolEnv):
+        demos = [env.in_model_format(d) for d in demos]
+        if env.context_cfg is None:
+            return [demo_to_sequence(d, env.prompt_prefix, env.format, env.format.tokenizer) for d in demos]
+    # a managed context, or an env whose prompts only it knows (an agent program's, through the gateway)
     tasks = module.tasks(options, "train", len(demos), cfg.seed)
     rows = []
     for demo, task in zip(demos, tasks, strict=True):
