@@ -34,7 +34,7 @@ from agent_r1.engines.protocol import SamplingParams
 from agent_r1.env.tool_calls import format_tool_call
 from agent_r1.gateway import ProgramEnvFactory
 from agent_r1.rollout.agent_loop import AgentEnvLoop, summarize
-from agent_r1.rollout.merge import merge_trajectory
+from agent_r1.rollout.merge import common_prefix, merge_trajectory
 from agent_r1.trainer.rl import train
 from agent_r1.types import Action, Termination
 from tests.conftest import make_tiny_llama
@@ -175,8 +175,11 @@ def openclaw():
     return NODE24
 
 
-def test_openclaw_runs_the_policys_exec_call_and_its_next_request_extends_the_first(openclaw, tokenizer, internet):  # noqa: F811
-    """A scripted episode: the answers are given, everything else is OpenClaw's and the gateway's."""
+def test_openclaw_runs_the_policys_exec_call_and_its_next_request_branches_off_the_first(openclaw, tokenizer, internet):  # noqa: F811
+    """A scripted episode: the answers are given, everything else is OpenClaw's and the gateway's. OpenClaw ends
+    every request with a message of its own internal context (exec sessions, sub-agents), moved to the end each
+    time: the second request is the first's system prompt and question, the call, its result, then that
+    message, so it branches off the first where the first had that message."""
 
     async def episode():
         env = openclaw_factory(tokenizer, internet[0])()
@@ -186,14 +189,17 @@ def test_openclaw_runs_the_policys_exec_call_and_its_next_request_extends_the_fi
         done = [*tokenizer.encode(DONE, add_special_tokens=False), tokenizer.eos_token_id]
         end = await env.step(Action(done, [0.0] * len(done), DONE, "eos"))
         await env.close()
-        return first, call, second, end
+        return first, second, end
 
-    first, call, second, end = asyncio.run(episode())
+    first, second, end = asyncio.run(episode())
     assert len(first.token_ids) > 4000 and TASK["question"] in tokenizer.decode(first.token_ids)
-    assert second.info["tool_calls"] == 1 and second.info["metrics"]["gateway/merged_steps"] == 1.0
-    extended = second.observation.token_ids  # the first prompt + the call's ids + the exec result's turn
-    assert extended[: len(first.token_ids) + len(call)] == first.token_ids + call
-    assert "<tool_response>" in tokenizer.decode(extended[len(first.token_ids) + len(call) :])
+    assert second.info["tool_calls"] == 1 and second.info["metrics"]["gateway/branched_steps"] == 1.0
+    branch = second.observation.token_ids
+    shared = common_prefix(first.token_ids, branch)
+    assert TASK["question"] in tokenizer.decode(first.token_ids[:shared])  # the system prompt and the question
+    assert "BEGIN_OPENCLAW_INTERNAL_CONTEXT" in tokenizer.decode(first.token_ids[shared:])  # where they part
+    rest = tokenizer.decode(branch[shared:])
+    assert "echo hi > hello.txt" in rest and "<tool_response>" in rest and "INTERNAL_CONTEXT" in rest
     assert end.done and end.reward == 1.0  # OpenClaw ran `echo hi > hello.txt` in the episode's directory
     assert internet[1] == [], internet[1]
 
@@ -218,6 +224,7 @@ def test_two_rl_steps_with_openclaw(openclaw, tokenizer, tmp_path, internet):  #
     for h in hist:
         assert h["updates"] >= 1 and h["trained_episodes"] == 2 and h[f"termination/{Termination.ERROR}"] == 0
         assert h["logprob_drift_max"] < 2e-4 and h["train_tokens"] > 2 * 4000
+        assert h["computed_share"] < 0.75  # a group's rows share OpenClaw's system prompt and the question
     assert internet[1] == [], internet[1]
 
 
