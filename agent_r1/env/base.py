@@ -18,7 +18,9 @@ class StepResult(NamedTuple):
     reward: float | None  # reward of this step (process or outcome), None when the env gives none
     done: bool
     # "termination": Termination when done; "metrics": {name: number}, summed over the episode and logged as
-    # batch means (as ToolEnv's tool_calls and tool_errors are); all of it is kept in the trajectory records
+    # batch means (as ToolEnv's tool_calls and tool_errors are); "step_rewards": {earlier step index: reward}
+    # when done, rewards the env gives earlier steps only at the end (the gateway's scored branches); all of it
+    # is kept in the trajectory records
     info: dict[str, Any]
 
 

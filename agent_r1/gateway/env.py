@@ -37,7 +37,7 @@ import tempfile
 import threading
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from agent_r1.api import bodies
@@ -95,10 +95,26 @@ class Episode:
 
     messages: list[dict[str, Any]]  # the program's last request and the gateway's last answer
     answers: list[dict[str, Any]]  # every answer the gateway gave, in order
+    # per step (the trajectory's step index): the request it answered, its answer, and how the request attached
+    # to the episode's tree ("fresh", "merged" or "branched"): a reward function scores branches from these
+    steps: list[EpisodeStep] = field(default_factory=list)
 
 
-# (task, episode, output) -> outcome reward, or (reward, {name: value}) to log its parts
-RewardFn = Callable[[dict[str, Any], Episode, ProgramOutput], float | tuple[float, dict[str, float]]]
+@dataclass
+class EpisodeStep:
+    """One step of an episode: the request (its messages), the answer, and where it attached in the tree."""
+
+    messages: list[dict[str, Any]]
+    answer: dict[str, Any]
+    attached: str
+
+
+# (task, episode, output) -> outcome reward, or (reward, {name: value}) to log its parts, or (reward, parts,
+# {step index: reward}) to score steps of their own (a sub-agent's branch, say): those become process rewards
+RewardFn = Callable[
+    [dict[str, Any], Episode, ProgramOutput],
+    float | tuple[float, dict[str, float]] | tuple[float, dict[str, float], dict[int, float]],
+]
 
 
 @dataclass
@@ -170,6 +186,7 @@ class ProgramEnv(Env):
         """Start the program; its first chat request is the first observation."""
         self.task, self.turn = task, 0
         self.answers: list[dict[str, Any]] = []
+        self.steps: list[EpisodeStep] = []  # each step's request, answer and attachment, for the reward function
         self.turns: list[_Turn] = []  # every request answered so far: the nodes a later request may attach to
         self.choice = 0  # which answer the program's history went on with
         self.call: Call | None = None  # the request the policy answers next
@@ -210,8 +227,10 @@ class ProgramEnv(Env):
         answers = [_key(ChatMessage.model_validate(m)) for m in messages]
         self.turns.append(_Turn(self.sent, self.sent_tools, self.unforced, self.images, answers, contexts))
         self.call, self.choice = None, 0
+        request, attached = [m.model_dump(exclude_none=True) for m in self.request_messages], self.attached
         event = await self._wait(render=self.turn < self.max_turns)
         self.answers.append(messages[self.choice])
+        self.steps.append(EpisodeStep(request, messages[self.choice], attached))
         info = counts[self.choice] | ({"choice": self.choice} if len(actions) > 1 else {})
         unseen, self.unseen = float(self.unseen), False  # its connection closed before the answer reached it
         if unseen:
@@ -430,10 +449,22 @@ class ProgramEnv(Env):
         info: dict[str, Any] = {"termination": Termination.ANSWERED}
         if self.reward_fn is None:  # the reward the program posted, if any (none: 0)
             return output.reward, info
-        last = [m.model_dump(exclude_none=True) for m in self.request_messages] + self.answers[-1:]
-        result = self.reward_fn(self.task, Episode(last, list(self.answers)), output)
-        value, parts = result if isinstance(result, tuple) else (result, {})
-        return float(value), info | {"reward_parts": dict(parts)}
+        last = [*self.steps[-1].messages, self.answers[-1]]
+        result = self.reward_fn(self.task, Episode(last, list(self.answers), list(self.steps)), output)
+        value, parts, scores = (*result, {})[:3] if isinstance(result, tuple) else (result, {}, {})
+        info |= {"reward_parts": dict(parts)}
+        if scores:  # the reward function scored steps of their own: process rewards, checked like a posted one
+            info["step_rewards"] = {}
+            for k, r in dict(scores).items():
+                # the last step carries the outcome itself
+                if not (isinstance(k, int) and 0 <= k < len(self.steps) - 1 and abs(float(r)) <= self.max_reward):
+                    raise ValueError(
+                        f"the reward function scored step {k!r} with {r!r}: give an earlier step's index, in "
+                        f"[0, {len(self.steps) - 1}), "
+                        f"and a reward in [-{self.max_reward:g}, {self.max_reward:g}] (task.max_reward)"
+                    )
+                info["step_rewards"][k] = float(r)
+        return float(value), info
 
     def _failure(self, end: _Exit) -> str:
         if end.error:
@@ -582,4 +613,13 @@ class ProgramEnvFactory:
         )  # fmt: skip
 
 
-__all__ = ["Episode", "ProgramEnv", "ProgramEnvFactory", "ProgramError", "ProgramOutput", "import_path", "program_env"]
+__all__ = [
+    "Episode",
+    "EpisodeStep",
+    "ProgramEnv",
+    "ProgramEnvFactory",
+    "ProgramError",
+    "ProgramOutput",
+    "import_path",
+    "program_env",
+]

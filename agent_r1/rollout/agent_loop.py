@@ -137,6 +137,8 @@ class AgentEnvLoop:
                 )
                 if done:
                     traj.termination = Termination(info.get("termination", Termination.ANSWERED))
+                    for k, r in info.get("step_rewards", {}).items():  # the env scored earlier steps at the end
+                        traj.steps[k].reward = r
                     break
         except Exception as exc:  # a broken env or engine ends this trajectory, not the run
             fail(traj, exc)

@@ -76,3 +76,28 @@ def test_a_harness_episode_is_a_tree_of_rows(tool_model, tokenizer):  # noqa: F8
     metrics = summarize([traj])  # requests 2-6: fresh, merged, merged, branched, branched
     assert metrics["gateway/merged_steps"] == 2 and metrics["gateway/branched_steps"] == 2
     assert metrics["gateway/fresh_steps"] == 1
+
+
+SEEN: dict = {}
+
+
+def score_the_sub_agent(task, episode, output):
+    """The outcome 1, and 0.25 for each step of the sub-agent's branch (its requests start with its system prompt)."""
+    SEEN["attached"] = [s.attached for s in episode.steps]
+    return 1.0, {}, {k: 0.25 for k, s in enumerate(episode.steps[:-1]) if s.messages[0] == SUB}
+
+
+def score_the_last_step(task, episode, output):
+    return 1.0, {}, {len(episode.steps) - 1: 0.5}  # the last step's reward is the outcome: refused
+
+
+def test_a_reward_function_scores_the_branches_of_the_tree(tool_model, tokenizer):  # noqa: F811
+    factory = ProgramEnvFactory(tokenizer, function=harness, reward=score_the_sub_agent, max_turns=8)
+    (traj,) = rollout(tool_model, tokenizer, factory)
+    assert traj.termination == Termination.ANSWERED, traj.error
+    assert SEEN["attached"] == ["fresh", "fresh", "merged", "merged", "branched", "branched"]
+    assert [s.reward for s in traj.steps] == [None, 0.25, 0.25, None, None, 1.0]
+    assert traj.process_rewards == [0.0, 0.25, 0.25, 0.0, 0.0, 0.0] and traj.outcome == 1.0
+    factory = ProgramEnvFactory(tokenizer, function=harness, reward=score_the_last_step, max_turns=8)
+    (bad,) = rollout(tool_model, tokenizer, factory)
+    assert bad.termination == Termination.ERROR and "give an earlier step's index, in [0, 5)" in bad.error
