@@ -162,7 +162,9 @@ def replay_demo(
     return asyncio.run(run_and_close())
 
 
-def demo_rows(cfg: SFTConfig, env: Env, make_env: Callable[[], Env]) -> list[TrainSequence]:
+def demo_rows(
+    cfg: SFTConfig, env: Env, make_env: Callable[[], Env], console: Console | None = None
+) -> list[TrainSequence]:
     """Every demonstration as training rows: one row each (`demo_to_sequence`), or, under a managed
     context or for an env that is not a ToolEnv (an agent program's), the rows of its replay through the
     env (demo i must be of `tasks(train)[i]`, which is checked)."""
@@ -175,13 +177,14 @@ def demo_rows(cfg: SFTConfig, env: Env, make_env: Callable[[], Env]) -> list[Tra
     # a managed context, or an env whose prompts only it knows (an agent program's, through the gateway)
     tasks = module.tasks(options, "train", len(demos), cfg.seed)
     rows = []
-    for demo, task in zip(demos, tasks, strict=True):
-        if demo[0]["content"] != task.get("question"):
-            raise ValueError(
-                f"task {cfg.task.name!r}: demos() must follow tasks('train') order to replay them under task.context"
-            )
-        steps = replay_demo(demo, task, make_env(), getattr(module, "summary", None))
-        rows += merge_trajectory(Trajectory(task=task, traj_id="demo", group_id="demo", steps=steps))
+    with progress_bar(console or Console()) as bar:  # a harness's replay takes seconds a demonstration
+        progress = bar.add_task("demonstrations replayed", total=len(demos))
+        for demo, task in zip(demos, tasks, strict=True):
+            if demo[0]["content"] != task.get("question"):
+                raise ValueError(f"task {cfg.task.name!r}: demos() must follow tasks('train') order to replay them")
+            steps = replay_demo(demo, task, make_env(), getattr(module, "summary", None))
+            rows += merge_trajectory(Trajectory(task=task, traj_id="demo", group_id="demo", steps=steps))
+            bar.advance(progress)
     return rows
 
 
@@ -199,7 +202,7 @@ def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any 
     make_env = cfg.task.env_factory(processor, chat, MAX_DEMO_TURNS, resolve_tool_format(cfg.tool_format, chat_hint))
     env = make_env()
     rows = []
-    for seq in demo_rows(cfg, env, make_env):
+    for seq in demo_rows(cfg, env, make_env, console):
         n = len(seq.input_ids)
         rows.append(
             Row(
