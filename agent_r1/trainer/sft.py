@@ -269,7 +269,7 @@ def sft(cfg: SFTConfig, *, model: torch.nn.Module | None = None, tokenizer: Any 
                 bar.update(task, advance=1, description=f"SFT epoch {epoch + 1}: loss {nll:.3f}")
     policy.eval()
     save_checkpoint(run_dir, step, {"policy": policy}, optimizer, scheduler, {"cursor": 0, "config": to_dict(cfg)})
-    info = policy_info(cfg.model, chat, cfg.task.to_raw(), env.calls, step=step)
+    info = policy_info(cfg.model, chat, cfg.task.to_raw(), env.format.tool_format, step=step)
     export_policy(policy, processor, run_dir / "policy", info=info)
     console.print(f"SFT done: {len(rows)} demonstrations, final loss {history[-1]['loss']:.3f} -> {run_dir / 'policy'}")
     return history

@@ -126,9 +126,12 @@ def says_done(tokenizer, prompt: list[int]):
     return model.train()
 
 
-def test_two_rl_steps_with_claude_code(claude, tokenizer, tmp_path, internet):  # noqa: F811
+def two_rl_steps_of_a_done_sayer(make_env, tokenizer, tmp_path, episodes: int) -> list[dict]:
+    """Two RL steps with `train()` on `episodes` episodes a step of the harness `make_env` runs, the policy a
+    tiny model taught to answer its first prompt with DONE (`says_done`)."""
+
     async def first_prompt() -> list[int]:
-        env = factory(tokenizer, internet[0])()
+        env = make_env()
         try:
             return (await env.reset(TASK)).token_ids
         finally:
@@ -136,18 +139,23 @@ def test_two_rl_steps_with_claude_code(claude, tokenizer, tmp_path, internet):  
 
     model = says_done(tokenizer, asyncio.run(first_prompt()))
     cfg = toy_config(
-        tmp_path, "steps=2", "rollout.tasks_per_step=2", "rollout.group_size=2",
+        tmp_path, "steps=2", f"rollout.tasks_per_step={episodes // 2}", "rollout.group_size=2",
         "rollout.max_turns=4", "optim.lr=1e-4", "algo.zero_variance_groups=keep", "optim.micro_batch_tokens=16384",
         "rollout.max_new_tokens=32",
     )  # fmt: skip
-    hist = train(cfg, model=model, tokenizer=tokenizer, make_env=factory(tokenizer, internet[0]), tasks=[TASK] * 4)
+    hist = train(cfg, model=model, tokenizer=tokenizer, make_env=make_env, tasks=[TASK] * episodes)
     assert len(hist) == 2
     for h in hist:
-        assert h["updates"] >= 1 and h["trained_episodes"] == 4 and h[f"termination/{Termination.ERROR}"] == 0
+        assert h["updates"] >= 1 and h["trained_episodes"] == episodes and h[f"termination/{Termination.ERROR}"] == 0
         assert h["logprob_drift_max"] < 2e-4
-        # every episode's row holds Claude Code's whole prompt; its working directory is in the system message that
-        # the hermes rendering puts at the top, so two episodes' rows share little (computed_share about 1)
-        assert h["train_tokens"] > 4 * 8000
+    return hist
+
+
+def test_two_rl_steps_with_claude_code(claude, tokenizer, tmp_path, internet):  # noqa: F811
+    hist = two_rl_steps_of_a_done_sayer(factory(tokenizer, internet[0]), tokenizer, tmp_path, episodes=4)
+    # every episode's row holds Claude Code's whole prompt; its working directory is in the system message that
+    # the hermes rendering puts at the top, so two episodes' rows share little (computed_share about 1)
+    assert all(h["train_tokens"] > 4 * 8000 for h in hist)
     assert internet[1] == [], internet[1]
 
 
@@ -205,26 +213,9 @@ def test_openclaw_runs_the_policys_exec_call_and_its_next_request_branches_off_t
 
 
 def test_two_rl_steps_with_openclaw(openclaw, tokenizer, tmp_path, internet):  # noqa: F811
-    async def first_prompt() -> list[int]:
-        env = openclaw_factory(tokenizer, internet[0])()
-        try:
-            return (await env.reset(TASK)).token_ids
-        finally:
-            await env.close()
-
-    model = says_done(tokenizer, asyncio.run(first_prompt()))
-    cfg = toy_config(
-        tmp_path, "steps=2", "rollout.tasks_per_step=1", "rollout.group_size=2",
-        "rollout.max_turns=4", "optim.lr=1e-4", "algo.zero_variance_groups=keep", "optim.micro_batch_tokens=16384",
-        "rollout.max_new_tokens=32",
-    )  # fmt: skip
-    make_env = openclaw_factory(tokenizer, internet[0])
-    hist = train(cfg, model=model, tokenizer=tokenizer, make_env=make_env, tasks=[TASK] * 2)
-    assert len(hist) == 2
-    for h in hist:
-        assert h["updates"] >= 1 and h["trained_episodes"] == 2 and h[f"termination/{Termination.ERROR}"] == 0
-        assert h["logprob_drift_max"] < 2e-4 and h["train_tokens"] > 2 * 8000
-        assert h["computed_share"] < 0.75  # a group's rows share OpenClaw's system prompt and the question
+    hist = two_rl_steps_of_a_done_sayer(openclaw_factory(tokenizer, internet[0]), tokenizer, tmp_path, episodes=2)
+    for h in hist:  # a group's rows share OpenClaw's system prompt and the question, computed once
+        assert h["train_tokens"] > 2 * 8000 and h["computed_share"] < 0.75
     assert internet[1] == [], internet[1]
 
 

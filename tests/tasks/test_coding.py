@@ -110,9 +110,12 @@ def test_an_episode_through_mini_swe_agent_is_rewarded_by_the_tests(tokenizer):
     assert lazy.steps[-1].done and lazy.steps[-1].reward == 0.0
 
 
-def test_sft_replays_the_demonstrations_through_the_harness(tokenizer, tmp_path):
+def test_sft_replays_the_demonstrations_through_the_harness(tiny_model, tokenizer, tmp_path):
+    import copy
+
+    from agent_r1.models.loading import load_model
     from agent_r1.task import TaskSpec
-    from agent_r1.trainer.sft import SFTConfig, demo_rows
+    from agent_r1.trainer.sft import SFTConfig, demo_rows, sft
 
     spec = TaskSpec.from_raw({"name": "coding"}, "task", TaskSpec("coding"))
     cfg = SFTConfig(task=spec, num_examples=2, epochs=1, batch_size=2, run_dir=str(tmp_path), device="cpu")
@@ -124,3 +127,9 @@ def test_sft_replays_the_demonstrations_through_the_harness(tokenizer, tmp_path)
         assert task["question"] in text and '"output": "OK\\n"' in text  # the fixed test ran, in the harness
         trained = tokenizer.decode([i for i, m in zip(row.input_ids, row.loss_mask, strict=True) if m])
         assert task["fix"]["path"] in trained and coding.SUBMIT in trained and "returncode" not in trained
+    # the whole of `agent-r1 sft task=coding`, to the exported policy
+    one = SFTConfig(task=spec, num_examples=1, epochs=1, batch_size=1, run_dir=str(tmp_path), device="cpu")
+    history = sft(one, model=copy.deepcopy(tiny_model), tokenizer=tokenizer)
+    assert len(history) == 1 and history[0]["loss"] > 0
+    policy, _ = load_model(str(tmp_path / "policy"))
+    assert policy.config.vocab_size == tiny_model.config.vocab_size
