@@ -26,7 +26,8 @@ from agent_r1.gateway import ProgramEnvFactory
 from agent_r1.models.loading import resolve_model_path
 from agent_r1.rollout.merge import merge_trajectory
 from agent_r1.types import Action, Step, Trajectory
-from tests.gateway.test_harnesses import CLAUDE_ENV, COMMAND, OPENCLAW, TASK, reward
+from tests.gateway.test_harnesses import CLAUDE_ENV, COMMAND, TASK, reward
+from tests.gateway.test_openclaw import OPENCLAW
 
 MARK = "SUBTASK-7"  # in the sub-agent's prompt: how the script tells its requests from the main line's
 

@@ -24,7 +24,6 @@ from transformers import PreTrainedTokenizerBase
 from agent_r1.config import to_dict
 from agent_r1.env.base import Env
 from agent_r1.env.prompt_format import PromptFormat
-from agent_r1.env.tool_env import ToolEnv
 from agent_r1.env.tool_formats import ToolFormatName
 from agent_r1.models.lora import LoraConfig
 from agent_r1.models.precision import Device, Precision, model_device
@@ -166,14 +165,15 @@ def demo_rows(
     cfg: SFTConfig, env: Env, make_env: Callable[[], Env], console: Console | None = None
 ) -> list[TrainSequence]:
     """Every demonstration as training rows: one row each (`demo_to_sequence`), or, under a managed
-    context or for an env that is not a ToolEnv (an agent program's), the rows of its replay through the
+    context or for an env without a fixed prompt prefix (an agent program's), the rows of its replay through the
     env (demo i must be of `tasks(train)[i]`, which is checked)."""
     module, options = cfg.task.module, cfg.task.options
     demos = module.demos(options, env, cfg.num_examples, cfg.seed)
-    if isinstance(env, ToolEnv):
+    prefix = getattr(env, "prompt_prefix", None)  # a ToolEnv's (or one that wraps it): its system prompt, few-shot
+    if prefix is not None:
         demos = [env.in_model_format(d) for d in demos]
         if env.context_cfg is None:
-            return [demo_to_sequence(d, env.prompt_prefix, env.format, env.format.tokenizer) for d in demos]
+            return [demo_to_sequence(d, prefix, env.format, env.format.tokenizer) for d in demos]
     # a managed context, or an env whose prompts only it knows (an agent program's, through the gateway)
     tasks = module.tasks(options, "train", len(demos), cfg.seed)
     rows = []

@@ -118,18 +118,17 @@ def test_sft_replays_the_demonstrations_through_the_harness(tiny_model, tokenize
     from agent_r1.trainer.sft import SFTConfig, demo_rows, sft
 
     spec = TaskSpec.from_raw({"name": "coding"}, "task", TaskSpec("coding"))
-    cfg = SFTConfig(task=spec, num_examples=2, epochs=1, batch_size=2, run_dir=str(tmp_path), device="cpu")
+    cfg = SFTConfig(task=spec, num_examples=1, epochs=1, batch_size=1, run_dir=str(tmp_path), device="cpu")
     make_env = lambda: coding.make_env(OPTIONS, ChatFormat(tokenizer), 8)  # noqa: E731
     rows = demo_rows(cfg, make_env(), make_env)
-    assert len(rows) == 2  # one row per demonstration: the harness's own prompts, token for token
-    for row, task in zip(rows, coding.make_tasks(2), strict=True):
+    assert len(rows) == 1  # one row per demonstration: the harness's own prompts, token for token
+    for row, task in zip(rows, coding.make_tasks(1), strict=True):
         text = tokenizer.decode(row.input_ids)
         assert task["question"] in text and '"output": "OK\\n"' in text  # the fixed test ran, in the harness
         trained = tokenizer.decode([i for i, m in zip(row.input_ids, row.loss_mask, strict=True) if m])
         assert task["fix"]["path"] in trained and coding.SUBMIT in trained and "returncode" not in trained
     # the whole of `agent-r1 sft task=coding`, to the exported policy
-    one = SFTConfig(task=spec, num_examples=1, epochs=1, batch_size=1, run_dir=str(tmp_path), device="cpu")
-    history = sft(one, model=copy.deepcopy(tiny_model), tokenizer=tokenizer)
+    history = sft(cfg, model=copy.deepcopy(tiny_model), tokenizer=tokenizer)
     assert len(history) == 1 and history[0]["loss"] > 0
     policy, _ = load_model(str(tmp_path / "policy"))
     assert policy.config.vocab_size == tiny_model.config.vocab_size
