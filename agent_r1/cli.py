@@ -39,6 +39,14 @@ COMMANDS = {
         "agent_r1.serve.server", "ServeConfig", "run_serve",
         "OpenAI-compatible server: chat with tools, token-id completions",
     ),
+    "learn": (
+        "agent_r1.online.learn", "LearnConfig", "run_learn",
+        "train a serve --learn server's model on its live traffic (docs/online.md)",
+    ),
+    "rollback": (
+        "agent_r1.online.learn", "RollbackConfig", "run_rollback",
+        "serve a kept version again (serve --learn, agent-r1 learn)",
+    ),
     "export": (
         "agent_r1.trainer.export", "ExportConfig", "run_export",
         "checkpoint -> Hugging Face directory (LoRA merged)",

@@ -108,6 +108,7 @@ class ChatCompletionRequest(_Request):
     # JSON ones are guaranteed by sampling under a grammar (messages.answer_grammar)
     response_format: dict[str, Any] | None = None
     stream_options: dict[str, Any] | None = None  # {"include_usage": true}: a last chunk with the usage
+    user: str | None = Field(None, max_length=256)  # the end user (OpenAI's field): `serve --learn` groups by it
 
 
 class CompletionRequest(_Request):

@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import json
 import os
 import re
 import shlex
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import traceback
@@ -57,6 +55,7 @@ from agent_r1.env.tool_calls import ParseError
 from agent_r1.gateway.server import Call, Gateway, Mailbox, Unseen, gateway
 from agent_r1.models.vision import image_parts
 from agent_r1.types import Action, Observation, Termination
+from agent_r1.utils.imports import import_path
 
 # a command line (a string, split like a shell would) or its arguments, or fn(task, base_url, api_key)
 Program = str | Sequence[str] | Callable[[dict[str, Any], str, str], Any]
@@ -542,23 +541,6 @@ def _json(text: str) -> Any:
         return json.loads(text)
     except (ValueError, RecursionError):
         return text
-
-
-def import_path(path: str, what: str) -> Callable[..., Any]:
-    """The function an import path `pkg.module:function` names (the working directory is on the module
-    path, as for task names). A path that names nothing callable is a one-line ValueError."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{what} must be an import path like my_pkg.my_module:my_function, got {path!r}")
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"{what}={path!r} cannot be imported: {exc}") from None
-    if not callable(fn):
-        raise ValueError(f"{what}={path!r} is not callable")
-    return fn
 
 
 def program_env(pass_env: Sequence[str] = ()) -> dict[str, str]:

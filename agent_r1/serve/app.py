@@ -33,11 +33,12 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedTokenizerBase
 
 from agent_r1.api import anthropic, bodies, responses
@@ -50,11 +51,12 @@ from agent_r1.api.messages import (
     template_messages,
     tool_schemas,
 )
-from agent_r1.api.schema import APIError, ChatCompletionRequest, CompletionRequest, LoadWeightsRequest
+from agent_r1.api.schema import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, LoadWeightsRequest
 from agent_r1.engines.protocol import Engine, GenerateOutput, SamplingParams
 from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.models.grammar import check_grammar, json_schema_grammar
 from agent_r1.models.vision import image_parts
+from agent_r1.online.record import INTERACTION_HEADER, Recorder
 from agent_r1.rollout.text_stream import TextStream, visible_prefix
 from agent_r1.types import Image, Message
 
@@ -73,6 +75,7 @@ class ServedModel:
     allow_weight_updates: bool = False  # /v1/load_weights replaces the model: only for a trainer's own server
     max_request_bytes: int = 8 * 2**20  # a larger body is a 413, refused before it is held in memory
     max_batch_size: int = 64  # rows one request may ask for (prompts x n): the engine's batch
+    recorder: Recorder | None = None  # `serve --learn`: every chat request is committed to the store before its answer
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -90,7 +93,22 @@ def create_app(served: ServedModel) -> FastAPI:
     app.post("/v1/responses")(api.responses)
     app.post("/v1/completions")(api.completions)
     app.post("/v1/load_weights")(api.load_weights)
+    if served.recorder is not None:
+        app.post("/v1/feedback")(api.feedback)
+        app.get("/v1/learn")(api.learn_status)
     return app
+
+
+class Feedback(BaseModel):
+    """`/v1/feedback`: a user's score of one served answer (the id in its body, or the `x-agent-r1-interaction`
+    header) or of a whole session."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    response_id: str | None = Field(None, max_length=128)
+    session_id: str | None = Field(None, max_length=128)
+    score: float = Field(ge=0, le=1, allow_inf_nan=False)  # 0 = bad, 1 = good
+    comment: str = Field("", max_length=4000)
 
 
 class _API:
@@ -107,24 +125,24 @@ class _API:
         extra = {"max_model_len": s.engine.max_context, "weights_version": s.engine.weights_version}
         return bodies.model_list({"id": s.name, "created": s.created} | extra)
 
-    async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
+    async def chat(self, body: ChatCompletionRequest, request: Request, response: Response) -> Any:
         _, result = await self._chat(body, request)
-        return sse(result) if body.stream else result
+        return _tagged(request, response, sse(result) if body.stream else result)
 
-    async def messages(self, body: anthropic.MessagesRequest, request: Request) -> Any:
+    async def messages(self, body: anthropic.MessagesRequest, request: Request, response: Response) -> Any:
         """Anthropic Messages: the chat request it means, answered as a Message or Anthropic's event stream."""
         chat = anthropic.to_chat(body, ChatCompletionRequest)
         prompt_tokens, result = await self._chat(chat, request)
         if body.stream:
-            return sse(anthropic.events(result, self.s.name, prompt_tokens), "messages")
-        return anthropic.message(result)
+            return _tagged(request, response, sse(anthropic.events(result, self.s.name, prompt_tokens), "messages"))
+        return _tagged(request, response, anthropic.message(result))
 
     async def count_tokens(self, body: anthropic.CountTokensRequest) -> dict[str, int]:
         """The prompt's length in tokens, rendered as /v1/messages would render it."""
         prompt, *_ = await self._chat_input(anthropic.to_chat(body, ChatCompletionRequest))
         return {"input_tokens": len(prompt)}
 
-    async def responses(self, body: responses.ResponsesRequest, request: Request) -> Any:
+    async def responses(self, body: responses.ResponsesRequest, request: Request, response: Response) -> Any:
         """OpenAI Responses: the chat request that the stored conversation + the input items mean; the answer
         is stored (`store`) for a later `previous_response_id`."""
         history = self.stored.history(body.previous_response_id)
@@ -135,15 +153,19 @@ class _API:
             if body.store:
                 self.stored.put(response_id, [*history, *responses.input_items(body), *output])
 
-        _, result = await self._chat(chat, request)
+        _, result = await self._chat(chat, request, response_id)
         if body.stream:
-            return sse(responses.events(result, body, response_id, self.s.name, keep), "responses")
+            events = responses.events(result, body, response_id, self.s.name, keep)
+            return _tagged(request, response, sse(events, "responses"))
         answer = responses.from_completion(body, response_id, result)
         keep(answer["output"])
-        return answer
+        return _tagged(request, response, answer)
 
-    async def _chat(self, body: ChatCompletionRequest, request: Request) -> tuple[int, Any]:
-        """(prompt tokens, the chat.completion or, streaming, its chunks) of a chat request."""
+    async def _chat(
+        self, body: ChatCompletionRequest, request: Request, answer_id: str | None = None
+    ) -> tuple[int, Any]:
+        """(prompt tokens, the chat.completion or, streaming, its chunks) of a chat request; with a recorder,
+        committed to the store (as `answer_id`, default the completion's id) before the answer goes out."""
         self._check_model(body.model)
         self._check_chat(body)
         prompt, images, tools, forced = await self._chat_input(body)
@@ -158,23 +180,81 @@ class _API:
             stop=(calls_format.stop if one_call else ()) + stops, seed=body.seed, grammar=grammar,
         )  # fmt: skip
         head = bodies.head("chat", self.s.name)
-        rows = [prompt] * body.n  # choice k is sampled with seed + k (the engine's), as vLLM's n
+        rec = self.s.recorder
+        n = rec.explores(body.n, body.stream) if rec else body.n  # exploration samples more than it serves
+        rows = [prompt] * n  # choice k is sampled with seed + k (the engine's), as vLLM's n
+        record = await self._recording(body, request, prompt, grammar, answer_id or head["id"], n) if rec else None
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
-            return len(prompt), self._chat_events(head, rows, images, params, stops, tools, forced, usage)
+            return len(prompt), self._chat_events(head, rows, images, params, stops, tools, forced, usage, record)
         outs = await self._generate(request, rows, params, images)
-        choices = []
+        choices, answers = [], []
         for k, out in enumerate(outs):
             content, calls, finish = chat_result(forced + out.text, stops, tools, out.finish_reason, calls_format)
+            answers.append(bodies.chat_message(content, calls))
             logprobs = bodies.token_logprobs(self.s.tokenizer, out.token_ids, out.logprobs) if body.logprobs else None
-            choice = bodies.chat_choice(k, bodies.chat_message(content, calls), finish, logprobs)
+            choice = bodies.chat_choice(k, answers[-1], finish, logprobs)
             if body.return_token_ids:
                 choice |= {"token_ids": out.token_ids, "token_versions": out.versions}
             choices.append(choice)
-        response = bodies.chat_completion(head, choices, *_usage(rows, outs))
+        if record:
+            await record(outs, answers)
+        choices, outs = choices[: body.n], outs[: body.n]  # the explored answers are stored, not sent
+        response = bodies.chat_completion(head, choices, *_usage(rows[: body.n], outs))
         if body.return_token_ids:
             response["prompt_token_ids"] = prompt
         return len(prompt), response
+
+    async def _recording(
+        self, body: ChatCompletionRequest, request: Request, prompt: list[int], grammar: str | None, answer_id: str,
+        n: int,
+    ) -> Callable[[list[GenerateOutput], list[dict[str, Any]]], Awaitable[None]]:  # fmt: skip
+        """Find the request's session now, and return the coroutine that commits its `n` answers (agent_r1/online/
+        record.py). A store that fails is a 503: no answer goes out that the store does not hold."""
+        rec = self.s.recorder
+        assert rec is not None
+        request.state.interaction = answer_id
+        messages, changed = rec.redacted([m.model_dump(exclude_none=True) for m in body.messages])
+        stored = prompt
+        if changed:  # the prompt the trainer sees is the redacted conversation, rendered the same way
+            redacted = body.model_copy(update={"messages": [ChatMessage(**m) for m in messages]})
+            stored = (await self._chat_input(redacted))[0]
+        try:
+            place = await asyncio.to_thread(rec.place, request.headers, body.user, messages)
+        except Exception as exc:
+            raise _store_down(exc) from None
+        ids = [answer_id] + [f"{answer_id}-{k}" for k in range(1, n)]
+
+        async def record(outs: list[GenerateOutput], answers: list[dict[str, Any]]) -> None:
+            try:
+                await asyncio.to_thread(
+                    rec.record, place, answer_id, ids, messages, stored, outs, answers, body.n, grammar
+                )
+            except Exception as exc:
+                raise _store_down(exc) from None
+
+        return record
+
+    async def feedback(self, body: Feedback) -> dict[str, Any]:
+        """A user's score of a served answer or a session, stored as an explicit reward; a 404 names an id the
+        store does not hold."""
+        assert self.s.recorder is not None
+        store = self.s.recorder.store
+        if (body.response_id is None) == (body.session_id is None):
+            raise APIError(400, "feedback needs response_id or session_id (one of them)")
+        kind, key = ("interaction", body.response_id) if body.response_id else ("session", body.session_id)
+        what = "response_id" if kind == "interaction" else "session_id"
+        if not await asyncio.to_thread(store.exists, **{kind: key}):
+            raise APIError(404, f"{what} {key!r} is not in the interaction store", param=what)
+        detail = {"comment": body.comment} if body.comment else {}
+        await asyncio.to_thread(store.add_reward, "explicit", body.score, **{kind: key}, detail=detail)
+        return {"recorded": True, what: key, "score": body.score}
+
+    async def learn_status(self) -> dict[str, Any]:
+        """What the store holds and how far training has got: interactions, rewards by source, versions."""
+        assert self.s.recorder is not None
+        counts = await asyncio.to_thread(self.s.recorder.store.counts)
+        return counts | {"recorded_here": self.s.recorder.recorded, "weights_version": self.s.engine.weights_version}
 
     async def _chat_input(self, body: ChatCompletionRequest) -> tuple[list[int], list[Image], list[dict], str]:
         """(prompt ids, images, tools, forced opening) of a chat request; a 400 names what is wrong in it."""
@@ -351,10 +431,11 @@ class _API:
 
     async def _chat_events(
         self, head: dict, rows: list[list[int]], images: list[Image], params: SamplingParams,
-        stops: tuple[str, ...], tools: list[dict], forced: str, include_usage: bool,
+        stops: tuple[str, ...], tools: list[dict], forced: str, include_usage: bool, record: Any = None,
     ) -> AsyncIterator[dict]:  # fmt: skip
         """Each choice's content as it is sampled (none inside a call, nor after a forced call's opening),
-        then its tool calls, whole, with its finish reason; with `include_usage`, a last chunk with the usage."""
+        then its tool calls, whole, with its finish reason; with `include_usage`, a last chunk with the usage.
+        `record` commits the answers before the last chunks go out."""
 
         for k in range(len(rows)):
             yield bodies.chat_chunk(head, k, {"role": "assistant", "content": ""})
@@ -366,8 +447,10 @@ class _API:
                 if not forced and (delta := texts[event[0]].push(event[1])):
                     yield bodies.chat_chunk(head, event[0], {"content": delta})
             outs = outputs()
-        for k, out in enumerate(outs):
-            content, calls, finish = chat_result(forced + out.text, stops, tools, out.finish_reason, calls_format)
+        results = [chat_result(forced + o.text, stops, tools, o.finish_reason, calls_format) for o in outs]
+        if record:
+            await record(outs, [bodies.chat_message(content, calls) for content, calls, _ in results])
+        for k, (content, calls, finish) in enumerate(results):
             yield bodies.chat_chunk(head, k, bodies.last_delta(texts[k].finish(content or ""), calls), finish)
         if include_usage:
             yield head | {"object": "chat.completion.chunk", "choices": [], "usage": bodies.usage(*_usage(rows, outs))}
@@ -432,6 +515,19 @@ def _read_safetensors(path: str) -> dict:
     except Exception as exc:  # not safetensors, truncated, unreadable
         message = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise APIError(400, f"cannot read {path!r} as safetensors: {message}", param="path") from None
+
+
+def _tagged(request: Request, response: Response, result: Any) -> Any:
+    """The answer with the served interaction's id in a header (`serve --learn`), for /v1/feedback."""
+    interaction = getattr(request.state, "interaction", None)
+    if interaction is not None:
+        (result if isinstance(result, Response) else response).headers[INTERACTION_HEADER] = interaction
+    return result
+
+
+def _store_down(exc: BaseException) -> APIError:
+    message = (str(exc).splitlines() or [type(exc).__name__])[0]
+    return APIError(503, f"the interaction store is unavailable: {message}", type="server_error", code="store_down")
 
 
 def _usage(prompts: list[list[int]], outs: list[GenerateOutput]) -> tuple[int, int]:

@@ -10,12 +10,30 @@ from typing import Literal
 import uvicorn
 
 from agent_r1.engines import EngineKind, EngineSpec, VLLMConfig, load_for_engine, make_engine
+from agent_r1.engines.protocol import Engine
 from agent_r1.env.prompt_format import prompt_format_for
 from agent_r1.env.tool_formats import ToolFormatName
 from agent_r1.models.loading import DEFAULT_MODEL, eos_token_ids, is_chat_model, load_processor
 from agent_r1.models.precision import Device, Precision
+from agent_r1.online.record import Recorder
+from agent_r1.online.store import Store
 from agent_r1.serve.app import ServedModel, create_app
 from agent_r1.task import resolve_tool_format
+from agent_r1.utils.imports import import_path
+
+
+@dataclass
+class RecordConfig:
+    store: str = "runs/online/store.db"
+    """the interaction store: a SQLite file, or a PostgreSQL URL (postgresql://user@host/db) shared by servers"""
+    sync: Literal["normal", "full"] = "normal"
+    """SQLite: normal survives a killed process, full also a power cut (an fsync per request)"""
+    explore: float = 0.0
+    """share of plain requests (n=1, not streamed) that sample explore_n answers, serve one and store all"""
+    explore_n: int = 4
+    """answers an explored request samples (a GRPO group, scored by the judge)"""
+    redact: str = ""
+    """import path of a function text -> text applied to every message and answer before storage"""
 
 
 @dataclass
@@ -74,6 +92,12 @@ class ServeConfig:
     allow_weight_updates: bool = False
     """accept POST /v1/load_weights (a trainer's rollout server, rollout.engine=remote): any client that
     reaches the server can then replace its weights"""
+    learn: bool = False
+    """learn from use (docs/online.md): commit every chat request to `online.store` before answering it, take
+    feedback at /v1/feedback, start on the store's serving version and take `agent-r1 learn`'s new ones
+    (implies allow_weight_updates)"""
+    online: RecordConfig = field(default_factory=RecordConfig)
+    """learn=true: the interaction store, exploration and redaction"""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -85,6 +109,8 @@ class ServeConfig:
                 "must be positive"
             )
         self.engine_spec()  # an unknown engine, or remote without url: one line now
+        if not 0 <= self.online.explore <= 1 or self.online.explore_n < 2:
+            raise ValueError("online.explore must be in [0, 1] and online.explore_n >= 2")
 
     def engine_spec(self) -> EngineSpec:
         return EngineSpec(
@@ -107,11 +133,13 @@ def run_serve(cfg: ServeConfig) -> None:
     processor = load_processor(cfg.model) or tokenizer  # a vision-language model reads image_url parts through it
     chat = is_chat_model(cfg.model, processor) if cfg.prompt_format == "auto" else cfg.prompt_format == "chat"
     engine = make_engine(cfg.engine_spec(), model, tokenizer)
+    recorder = _recorder(cfg, engine) if cfg.learn else None
     served = ServedModel(
         engine, tokenizer, prompt_format_for(processor, chat, resolve_tool_format(cfg.tool_format, cfg.model)),
         cfg.served_name, eos_token_ids(model, tokenizer),
         request_timeout=cfg.request_timeout, default_max_tokens=cfg.max_tokens, max_batch_size=cfg.max_batch_size,
-        allow_weight_updates=cfg.allow_weight_updates, max_request_bytes=int(cfg.max_request_mb * 2**20),
+        allow_weight_updates=cfg.allow_weight_updates or cfg.learn, max_request_bytes=int(cfg.max_request_mb * 2**20),
+        recorder=recorder,
     )  # fmt: skip
     sock = socket.create_server((cfg.host, cfg.port), reuse_port=False)
     host, port = sock.getsockname()[:2]
@@ -121,3 +149,19 @@ def run_serve(cfg: ServeConfig) -> None:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         engine.close()
+        if recorder is not None:
+            recorder.store.close()
+
+
+def _recorder(cfg: ServeConfig, engine: Engine) -> Recorder:
+    """The store's recorder; the engine first takes the version the store says is serving (the last one
+    promoted or rolled back to), so a restarted server comes back on it."""
+    from safetensors.torch import load_file
+
+    store = Store(cfg.online.store, sync=cfg.online.sync)
+    redact = import_path(cfg.online.redact, "online.redact") if cfg.online.redact else None
+    serving = store.serving()
+    if serving is not None and serving.path:
+        engine.load_weights(load_file(serving.path), serving.version)
+        print(f"agent-r1 serve: weights version {serving.version} from {serving.path}", flush=True)
+    return Recorder(store, explore=cfg.online.explore, explore_n=cfg.online.explore_n, redact=redact, seed=cfg.seed)

@@ -73,11 +73,13 @@ def train(
     make_env: Callable[[], Env] | None = None,
     tasks: list[dict[str, Any]] | None = None,
     console: Console | None = None,
+    source: Callable[..., Any] | None = None,
 ) -> list[dict[str, float]]:
-    """Run RL from `cfg`; `model`/`tokenizer`/`make_env`/`tasks` replace the config's model and task."""
+    """Run RL from `cfg`; `model`/`tokenizer`/`make_env`/`tasks` replace the config's model and task, `source`
+    the producer (trainer/setup.py: agent-r1 learn's interaction store)."""
     dist = init_distributed(cfg.device)  # torchrun's process group, or a single process
     console = console or Console(quiet=not dist.main)
-    run = build(cfg, dist, console, model, tokenizer, make_env, tasks)
+    run = build(cfg, dist, console, model, tokenizer, make_env, tasks, source)
     policy, ref, critic, validator = run.policy, run.ref, run.critic, run.validator
     history = []
     with progress_bar(console) as bar, dist.failure_report() as report, contextlib.closing(run):

@@ -72,7 +72,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     engine: Engine  # this rank's engine: the rollout's in this process, and the validation's
-    rollout: Producer | RankZero  # the one path from rollouts to the trainer
+    rollout: Producer | RankZero | Any  # the one path from rollouts to the trainer (agent-r1 learn: the store's)
     recompute: bool  # the trainer recomputes the old log-probs (the engine's numerics, or older policies)
     info: dict[str, Any]
     validator: Validator | None
@@ -111,8 +111,13 @@ def build(
     tokenizer: Any,
     make_env: Callable[[], Env] | None,
     tasks: list[dict[str, Any]] | None,
+    source: Callable[..., Any] | None = None,
 ) -> Run:
-    """The run of `cfg` on this rank, resumed from its last checkpoint when `cfg.resume` says so."""
+    """The run of `cfg` on this rank, resumed from its last checkpoint when `cfg.resume` says so. `source`
+    builds what replaces the producer (agent-r1 learn's interaction store, agent_r1/online/learn.py) from the
+    engine, the unsharded policy, the processor, the prompt format and the step the run starts at."""
+    if source is not None and dist.world > 1:
+        raise ValueError("agent-r1 learn trains in one process: torchrun is not supported yet")
     if tasks is not None and cfg.val.every and "data" not in cfg.val.task:  # fail before any model loads
         raise ValueError("val.every is set and the training tasks were passed in: give val.task.data (a jsonl)")
     check_installed(cfg.rollout.engine)  # vLLM not installed: one line saying how, before any model loads
@@ -196,7 +201,11 @@ def build(
     if dist.world > 1:  # a resume loaded the shards: the unsharded copy takes them before anything samples
         fsdp.copy_full_weights(policy, plain)
     pending = (meta or {}).get("producer", (meta or {}).get("async", {})).get("pending", ())
-    rollout = _producer(cfg, dist, runner, plain, sampler, make_env, start, pending)
+    if source is not None:  # the producer's interface over another source of trajectories
+        parts = {"engine": engine, "policy": plain, "processor": processor, "chat": chat, "start": start}
+        rollout = source(**parts, tool_format=calls.name)
+    else:
+        rollout = _producer(cfg, dist, runner, plain, sampler, make_env, start, pending)
     recompute = cfg.algo.recompute_old_logprobs(cfg.rollout.engine, cfg.dtype, cfg.rollout.max_staleness)
     return Run(
         dist, console, run_dir, model, policy, plain, processor, tokenizer, ref, critic, modules, params, optimizer,

@@ -1,0 +1,439 @@
+"""`agent-r1 learn`: the RL loop of trainer/rl.py over live traffic, with the interaction store as its producer.
+
+    serve --learn ──commit──> store ──StoreSource.take()──> the RL step (trainer/rl.py, unchanged)
+          ^                                                        │
+          └──── /v1/load_weights, between tokens <── gate ─── publish()
+
+`StoreSource` has the producer's interface (`take`, `publish`, `state`, `close`), so the step reads exactly
+as for a task list. What differs is where groups come from and what publishing means:
+
+* **take**: sessions idle for `session_idle_s` are settled: their implicit signals are stored, the judge
+  scores what nothing else did, and each becomes a trajectory (its served answers in turn order, merged
+  where the prompts extend). Trajectories whose first prompt is the same form a GRPO group: exploration's
+  answers to one prompt, or several sessions that opened alike. A group waits for `group_size`
+  trajectories, or `group_wait_s` once it has `min_group`. No user (or session, when users are unnamed)
+  gets more than `user_cap` of a batch; the rest wait for a later one. An answer more than
+  `rollout.max_staleness` versions older than the trainer's weights is skipped (AReaL's bounded staleness),
+  and every token's version is kept for the off-policy correction (decoupled PPO, recomputed old log-probs
+  and truncated importance sampling, docs/algorithms.md). The step's interactions are claimed in the store
+  before the update, so a resumed trainer releases exactly the claims its checkpoint does not hold.
+* **publish** is a gate: the candidate is evaluated greedily on the task's held-out (`val`) split and
+  promoted only when it is not worse than the serving version by more than `gate_margin`. A promoted
+  version's weights are written where servers read them, recorded as serving, and pushed to every server
+  between tokens (no request dropped). A rejected one is logged, serving goes on, and the trainer goes back
+  to the serving weights, so it never drifts from what users see.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from rich.console import Console
+
+from agent_r1.engines.protocol import Engine, SamplingParams, alias_key, full_state_dict
+from agent_r1.evaluate import evaluate
+from agent_r1.online.rewards import Judge, JudgeConfig, JudgeError, answer_reward, implicit_rule, session_return
+from agent_r1.online.store import Interaction, Store, StoreError
+from agent_r1.trainer.config import TrainConfig
+from agent_r1.types import Step, Termination, Trajectory
+
+
+@dataclass
+class LearnConfig:
+    store: str = "runs/online/store.db"
+    """the interaction store serve --learn writes: a SQLite file or a PostgreSQL URL"""
+    servers: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    """the serve --learn servers that take each promoted version (base URLs, without /v1)"""
+    versions_dir: str = "runs/online/versions"
+    """where promoted weights go: a directory every server can read"""
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(run_dir="runs/online/trainer", steps=1000))
+    """the RL settings (train.task's val split is the gate's held-out set; tasks_per_step = groups per step,
+    group_size = the most trajectories a group contributes)"""
+    min_group: int = 2
+    """trajectories a group needs before it may be trained (GRPO compares them)"""
+    group_wait_s: float = 120.0
+    """a group smaller than group_size is trained once its oldest answer is this old"""
+    session_idle_s: float = 20.0
+    """a session without a request for this long is settled: its implicit signals are final"""
+    poll_s: float = 1.0
+    """how often the store is read while a step waits for groups"""
+    user_cap: float = 0.25
+    """the largest share of a batch's trajectories one user (or unnamed session) may have"""
+    gate_tasks: int = 32
+    """held-out tasks the gate evaluates each candidate on"""
+    gate_margin: float = 0.0
+    """a candidate is promoted when its held-out accuracy >= the serving version's - gate_margin"""
+    implicit: str = "default"
+    """implicit signals: default (corrections and re-asks 0, going on 1), off, or an import path"""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """scores answers no user reacted to (exploration's): a Python function or an OpenAI-compatible model"""
+    retention_days: float = 30.0
+    """interactions older than this are deleted from the store (0 = kept forever)"""
+    sync: str = "normal"
+    """SQLite durability: normal or full (agent_r1/online/store.py)"""
+
+    def __post_init__(self) -> None:
+        t = self.train
+        checks = [
+            (self.min_group >= 2, f"min_group must be >= 2, got {self.min_group}"),
+            (t.rollout.group_size >= self.min_group, "train.rollout.group_size must be >= min_group"),
+            (0 < self.user_cap <= 1, f"user_cap must be in (0, 1], got {self.user_cap}"),
+            (self.gate_tasks >= 1 and self.gate_margin >= 0, "gate_tasks must be >= 1 and gate_margin >= 0"),
+            (min(self.group_wait_s, self.session_idle_s, self.poll_s, self.retention_days) >= 0, "times must be >= 0"),
+            (bool(self.servers), "servers: give at least one serve --learn URL"),
+            (not t.lora.enabled, "train.lora.enabled is not supported by agent-r1 learn yet: train the full model"),
+            (t.val.every == 0, "train.val.every must be 0: the gate evaluates every candidate (gate_tasks)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        t.algo.old_logprobs = "recompute"  # a server, older versions: the trainer's log-probs anchor the ratio
+
+
+class StoreSource:
+    """The producer of `agent-r1 learn` (module docstring)."""
+
+    engine: Engine | None = None  # nothing samples in this process but the gate
+
+    def __init__(
+        self, cfg: LearnConfig, store: Store, gate: Callable[[torch.nn.Module], float], policy: torch.nn.Module,
+        start: int, console: Console,
+    ) -> None:  # fmt: skip
+        self.cfg, self.store, self.gate, self.policy, self.console = cfg, store, gate, policy, console
+        self.step = start
+        self.implicit = implicit_rule(cfg.implicit)
+        self.judge = Judge(cfg.judge) if cfg.judge.enabled else None
+        self.released = store.release_claims(after_step=start)  # their update died with the last process
+        serving = store.serving()
+        if serving is None:  # the starting weights are version 1: the gate's baseline, a rollback target
+            serving = self._promote(policy, start, gate(policy), "the starting weights")
+        elif serving.step != start and serving.path:  # the trainer follows what serves (a rollback, a lost step)
+            self._load(serving.path)
+        self.basis = serving.version  # the serving version the trainer's weights descend from
+        self.serving_score = serving.score if serving.score is not None else gate(policy)
+
+    # --- the producer's interface ----------------------------------------------------------------
+    def take(self) -> tuple[list[Trajectory], dict[str, float]]:
+        """The step's groups, once the store holds `tasks_per_step` trainable ones (claimed before return)."""
+        r = self.cfg.train.rollout
+        waited = time.perf_counter()
+        while True:
+            groups, metrics = self._groups()
+            if len(groups) >= r.tasks_per_step:
+                break
+            time.sleep(self.cfg.poll_s)
+        chosen = groups[: r.tasks_per_step]
+        trajs = [t for g in chosen for t in g]
+        self.step += 1
+        self.store.claim([i for t in trajs for i in t.task["interactions"]], self.step)
+        if self.cfg.retention_days:
+            metrics["online/pruned"] = float(self.store.prune(self.cfg.retention_days * 86400))
+        users = collections.Counter(t.task["user"] for t in trajs)
+        metrics |= {
+            "online/wait_s": time.perf_counter() - waited,
+            "online/groups_ready": float(len(groups)),
+            "online/top_user_share": max(users.values()) / len(trajs),
+            "online/users": float(len(users)),
+            "online/released_claims": float(self.released),
+        }
+        return trajs, metrics | {f"store/{k}": float(v) for k, v in self.store.counts().items()}
+
+    def publish(self, model: torch.nn.Module) -> dict[str, float]:
+        """The gate (module docstring): promote and push, or reject and go back to the serving weights."""
+        t0 = time.perf_counter()
+        score = self.gate(model)
+        out = {"gate/score": score, "gate/serving_score": self.serving_score}
+        if score >= self.serving_score - self.cfg.gate_margin:
+            version = self._promote(model, self.step, score, f"gate {score:.3f} >= {self.serving_score:.3f}")
+            self.basis, self.serving_score = version.version, score
+            out |= {"gate/promoted": 1.0, "online/serving_version": float(version.version)}
+        else:
+            serving = self.store.serving()
+            self.store.add_version(self.step, None, score, "rejected", f"gate {score:.3f} < {self.serving_score:.3f}")
+            self.console.print(
+                f"gate: step {self.step} scored {score:.3f} against the serving version's {self.serving_score:.3f}: "
+                "not promoted; serving goes on, the trainer goes back to the serving weights"
+            )
+            if serving is not None and serving.path:
+                self._load(serving.path)
+            out |= {"gate/promoted": 0.0}
+        return out | {"time/gate": time.perf_counter() - t0}
+
+    def state(self) -> dict[str, Any]:
+        return {"cursor": 0, "pending": []}  # the store holds what was trained (claims), not the checkpoint
+
+    def switch(self, *_: Any) -> None:
+        raise ValueError("agent-r1 learn has no curriculum: the traffic decides what is learned")
+
+    def close(self) -> None:
+        if self.judge is not None:
+            self.judge.close()
+
+    # --- groups from the store --------------------------------------------------------------------
+    def _groups(self) -> tuple[list[list[Trajectory]], dict[str, float]]:
+        """Every group trainable now, oldest first, the per-user cap applied, and what was left waiting."""
+        cfg, now = self.cfg, time.time()
+        waiting = self.store.untrained()
+        lag = cfg.train.rollout.max_staleness
+        stale = [i.id for i in waiting if self.basis - min(i.versions, default=self.basis) > lag]
+        if stale:
+            self.store.skip(stale, "stale")
+        waiting = [i for i in waiting if i.id not in set(stale)]
+        sessions = self.store.sessions(i.session for i in waiting)
+        settled = {s for s, row in sessions.items() if now - row["last_seen"] >= cfg.session_idle_s}
+        trajs, unscored = self._trajectories([i for i in waiting if i.session in settled])
+        by_key: dict[str, list[Trajectory]] = collections.defaultdict(list)
+        for t in trajs:
+            by_key[t.group_id].append(t)
+        groups, share = [], collections.Counter()
+        budget = cfg.user_cap * cfg.train.rollout.tasks_per_step * cfg.train.rollout.group_size
+        capped = 0
+        for members in sorted(by_key.values(), key=lambda g: min(t.task["created"] for t in g)):
+            oldest = min(t.task["created"] for t in members)
+            full = len(members) >= cfg.train.rollout.group_size
+            if not full and (len(members) < cfg.min_group or now - oldest < cfg.group_wait_s):
+                continue
+            kept = []
+            for t in members[: cfg.train.rollout.group_size]:
+                if share[t.task["user"]] + 1 > max(1.0, budget):
+                    capped += 1
+                    continue
+                kept.append(t)
+            if len(kept) < cfg.min_group:
+                continue
+            for t in kept:
+                share[t.task["user"]] += 1
+            groups.append(kept)
+        return groups, {
+            "online/stale_skipped": float(len(stale)),
+            "online/unscored": float(unscored),
+            "online/capped": float(capped),
+            "online/settled_sessions": float(len(settled)),
+        }
+
+    def _trajectories(self, interactions: list[Interaction]) -> tuple[list[Trajectory], int]:
+        """Settled interactions as trajectories (a session's served answers; each explored answer alone), with
+        the implicit signals and judge scores they lack stored first. Returns them and how many answers wait
+        for a judge."""
+        if not interactions:
+            return [], 0
+        served = [i for i in interactions if i.served]
+        self._add_implicit(served)
+        rewards = self.store.rewards([i.id for i in interactions], sorted({i.session for i in interactions}))
+        of_answer: dict[str, list[dict]] = collections.defaultdict(list)
+        of_session: dict[str, list[float]] = collections.defaultdict(list)
+        for r in rewards:
+            if r["interaction"] is not None:
+                of_answer[r["interaction"]].append(r)
+            elif r["score"] is not None and r["source"] == "explicit":
+                of_session[r["session"]].append(r["score"])
+        unscored = self._add_judged(interactions, of_answer, of_session)
+        units: dict[str, list[Interaction]] = collections.defaultdict(list)
+        for i in interactions:
+            units[i.session if i.served else i.id].append(i)
+        out = []
+        never = []
+        for key, members in units.items():
+            members.sort(key=lambda i: i.turn)
+            if not all(i.trainable for i in members):
+                never += [i.id for i in members]
+                continue
+            scores = [(answer_reward(of_answer[i.id]) or (None, ""))[0] for i in members]
+            result = session_return(of_session.get(key, []) if members[0].served else [], scores)
+            if result is None:
+                if self.judge is None:  # nothing will ever score it
+                    never += [i.id for i in members]
+                continue
+            out.append(_trajectory(key, members, *result))
+        if never:
+            self.store.skip(never, "unrewarded")
+        return out, unscored
+
+    def _add_implicit(self, served: list[Interaction]) -> None:
+        """Store the implicit signal of every served answer that has a next user message in its session."""
+        if self.implicit is None or not served:
+            return
+        whole = self.store.session_interactions({i.session for i in served})
+        have = {r["interaction"] for r in self.store.rewards([i.id for i in served], []) if r["source"] == "implicit"}
+        by_session: dict[str, list[Interaction]] = collections.defaultdict(list)
+        for i in whole:
+            by_session[i.session].append(i)
+        for i in served:
+            nxt = next((j for j in by_session[i.session] if j.turn == i.turn + 1), None)
+            if i.id in have or nxt is None or not nxt.asks:  # the next request answers a tool call, not the user
+                continue
+            score = self.implicit(i.user_text, i.answer, nxt.user_text)
+            if score is not None:
+                self.store.add_reward("implicit", float(score), interaction=i.id, detail={"next": nxt.user_text[:200]})
+
+    def _add_judged(self, interactions: list[Interaction], of_answer: dict, of_session: dict) -> int:
+        """Judge scores for answers no other source scored; returns how many still wait (the judge failed)."""
+        if self.judge is None:
+            return 0
+        waiting = 0
+        for i in interactions:
+            if answer_reward(of_answer[i.id]) is not None or (i.served and i.session in of_session):
+                continue
+            try:
+                score = self.judge(i.user_text, i.answer)
+            except JudgeError as exc:
+                detail = {"error": str(exc), "judge": self.judge.name}
+                self.store.add_reward("judge", None, interaction=i.id, detail=detail)
+                waiting += 1
+                continue
+            self.store.add_reward("judge", score, interaction=i.id, detail={"judge": self.judge.name})
+            of_answer[i.id].append({"source": "judge", "score": score})
+        return waiting
+
+    # --- versions ----------------------------------------------------------------------------------
+    def _promote(self, model: torch.nn.Module, step: int, score: float, note: str):
+        """Write the weights where servers read them, record them as serving, push them between tokens."""
+        path = save_weights(model, Path(self.cfg.versions_dir) / f"step-{step:06d}.safetensors")
+        number = self.store.add_version(step, str(path), score, "serving", note)
+        push(self.cfg.servers, str(path), number, self.console)
+        return self.store.serving()
+
+    def _load(self, path: str) -> None:
+        from safetensors.torch import load_file
+
+        load_weights_into(self.policy, load_file(path))
+
+
+def save_weights(model: torch.nn.Module, path: Path) -> Path:
+    """The model's weights (tied ones once) in a safetensors file, through a temporary file and a rename."""
+    from safetensors.torch import save_file
+
+    path = path.resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    seen, tensors = set(), {}
+    for name, t in full_state_dict(model).items():
+        if (key := alias_key(t)) not in seen:
+            seen.add(key)
+            tensors[name] = t.detach().to("cpu").contiguous()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def load_weights_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy `tensors` into `model` in place (the optimizer keeps its parameters); tied weights come once."""
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    if unexpected:
+        raise StoreError(f"weights file has tensors the model does not: {unexpected[:3]}")
+    params = dict(model.state_dict(keep_vars=True))
+    loaded = {alias_key(params[k]) for k in tensors}
+    if really := [k for k in missing if alias_key(params[k]) not in loaded]:
+        raise StoreError(f"weights file lacks {len(really)} of the model's tensors, e.g. {really[0]}")
+
+
+def push(servers: list[str], path: str, version: int, console: Console) -> int:
+    """POST the weights file to every server's /v1/load_weights (between tokens); a server that does not
+    answer is reported and skipped: it takes the serving version from the store when it starts again."""
+    done = 0
+    body = {"path": path, "version": version, "between_tokens": True}
+    for url in servers:
+        try:
+            reply = httpx.post(f"{url.rstrip('/')}/v1/load_weights", json=body, timeout=600)
+            reply.raise_for_status()
+            done += 1
+        except httpx.HTTPError as exc:
+            console.print(f"[yellow]push of version {version} to {url} failed: {exc}; it loads it at restart[/yellow]")
+    return done
+
+
+def _trajectory(key: str, members: list[Interaction], outcome: float, process: list[float | None]) -> Trajectory:
+    first = members[0]
+    steps = [
+        Step(
+            prompt_ids=i.prompt_ids, response_ids=i.response_ids, response_logprobs=i.logprobs,
+            reward=outcome if k == len(members) - 1 else process[k], text=i.answer, index=k,
+            finish_reason=i.finish_reason, done=k == len(members) - 1, response_versions=i.versions,
+            grammar=i.grammar,
+        )
+        for k, i in enumerate(members)
+    ]  # fmt: skip
+    task = {"session": first.session, "user": first.user, "created": first.created}
+    task["interactions"] = [i.id for i in members]
+    return Trajectory(task, key, first.prompt_hash, steps, Termination.ANSWERED)
+
+
+def gate_fn(
+    cfg: LearnConfig, engine: Engine, make_env: Callable, tasks: list[dict[str, Any]]
+) -> Callable[[torch.nn.Module], float]:
+    """Greedy held-out accuracy of the engine's model (the trainer's own: the local engine over it)."""
+    sampling = SamplingParams(max_new_tokens=cfg.train.rollout.max_new_tokens, temperature=0.0)
+
+    def gate(model: torch.nn.Module) -> float:
+        model.eval()
+        engine.sync_weights(model, None)
+        metrics, _ = evaluate(engine, make_env, tasks, sampling)
+        return metrics["accuracy"]
+
+    return gate
+
+
+def run_learn(cfg: LearnConfig, console: Console | None = None) -> list[dict[str, float]]:
+    """Train on the store's traffic until train.steps steps are done (docs/online.md)."""
+    from agent_r1.trainer.rl import train
+
+    console = console or Console()
+    store = Store(cfg.store, sync=cfg.sync)
+    t = cfg.train
+
+    def source(
+        *, engine: Engine, policy: torch.nn.Module, processor: Any, chat: bool, tool_format: str, start: int
+    ) -> StoreSource:
+        spec = t.task.with_options(t.val.task, prefix="train.val.task.")
+        make_env = spec.env_factory(processor, chat, t.rollout.max_turns, tool_format)
+        gate = gate_fn(cfg, engine, make_env, spec.tasks("val", cfg.gate_tasks, t.seed))
+        return StoreSource(cfg, store, gate, policy, start, console)
+
+    try:
+        return train(dataclasses.replace(t), console=console, source=source)
+    finally:
+        store.close()
+
+
+@dataclass
+class RollbackConfig:
+    store: str = "runs/online/store.db"
+    """the interaction store"""
+    version: int = 0
+    """the kept version to serve again (agent-r1 learn's versions table: /v1/learn, or the store)"""
+    servers: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    """the servers that take it now (others take it when they restart)"""
+
+
+def run_rollback(cfg: RollbackConfig) -> int:
+    """Serve a kept version again: recorded as serving (a new version number with its weights), pushed to
+    every server between tokens. A trainer picks it up when it restarts."""
+    store = Store(cfg.store, create=False)
+    try:
+        kept = {v.version: v for v in store.versions() if v.path and os.path.isfile(v.path)}
+        if cfg.version not in kept:
+            raise ValueError(
+                f"version {cfg.version} is not kept in {cfg.store}; kept: {', '.join(map(str, sorted(kept))) or 'none'}"
+            )
+        old = kept[cfg.version]
+        number = store.add_version(old.step, old.path, old.score, "serving", f"rollback to version {old.version}")
+        pushed = push(cfg.servers, str(old.path), number, Console())
+        print(f"version {old.version} serves again as version {number} ({pushed} of {len(cfg.servers)} servers now)")
+        return number
+    finally:
+        store.close()
