@@ -65,6 +65,8 @@ class LearnConfig:
     """a group smaller than group_size is trained once its oldest answer is this old"""
     session_idle_s: float = 20.0
     """a session without a request for this long is settled: its implicit signals are final"""
+    feedback_wait_s: float = 300.0
+    """a settled session that nothing scored (no feedback, no reaction, no judge) is dropped after this long"""
     poll_s: float = 1.0
     """how often the store is read while a step waits for groups"""
     user_cap: float = 0.25
@@ -89,7 +91,10 @@ class LearnConfig:
             (t.rollout.group_size >= self.min_group, "train.rollout.group_size must be >= min_group"),
             (0 < self.user_cap <= 1, f"user_cap must be in (0, 1], got {self.user_cap}"),
             (self.gate_tasks >= 1 and self.gate_margin >= 0, "gate_tasks must be >= 1 and gate_margin >= 0"),
-            (min(self.group_wait_s, self.session_idle_s, self.poll_s, self.retention_days) >= 0, "times must be >= 0"),
+            (
+                min(self.group_wait_s, self.session_idle_s, self.feedback_wait_s, self.poll_s, self.retention_days) >= 0,
+                "group_wait_s, session_idle_s, feedback_wait_s, poll_s and retention_days must be >= 0",
+            ),
             (bool(self.servers), "servers: give at least one serve --learn URL"),
             (not t.lora.enabled, "train.lora.enabled is not supported by agent-r1 learn yet: train the full model"),
             (t.val.every == 0, "train.val.every must be 0: the gate evaluates every candidate (gate_tasks)"),
@@ -115,7 +120,7 @@ class StoreSource:
         self.judge = Judge(cfg.judge) if cfg.judge.enabled else None
         self.released = store.release_claims(after_step=start)  # their update died with the last process
         serving = store.serving()
-        if serving is None:  # the starting weights are version 1: the gate's baseline, a rollback target
+        if serving is None:  # the starting weights are version 0: the gate's baseline, a rollback target
             serving = self._promote(policy, start, gate(policy), "the starting weights")
         elif serving.step != start and serving.path:  # the trainer follows what serves (a rollback, a lost step)
             self._load(serving.path)
@@ -203,17 +208,18 @@ class StoreSource:
             full = len(members) >= cfg.train.rollout.group_size
             if not full and (len(members) < cfg.min_group or now - oldest < cfg.group_wait_s):
                 continue
-            kept = []
-            for t in members[: cfg.train.rollout.group_size]:
-                if share[t.task["user"]] + 1 > max(1.0, budget):
+            kept, mine = [], share.copy()
+            for t in members:
+                if len(kept) == cfg.train.rollout.group_size:
+                    break
+                if mine[t.task["user"]] + 1 > max(1.0, budget):
                     capped += 1
                     continue
                 kept.append(t)
-            if len(kept) < cfg.min_group:
-                continue
-            for t in kept:
-                share[t.task["user"]] += 1
-            groups.append(kept)
+                mine[t.task["user"]] += 1
+            if len(kept) >= cfg.min_group:
+                groups.append(kept)
+                share = mine
         return groups, {
             "online/stale_skipped": float(len(stale)),
             "online/unscored": float(unscored),
@@ -251,8 +257,8 @@ class StoreSource:
             scores = [(answer_reward(of_answer[i.id]) or (None, ""))[0] for i in members]
             result = session_return(of_session.get(key, []) if members[0].served else [], scores)
             if result is None:
-                if self.judge is None:  # nothing will ever score it
-                    never += [i.id for i in members]
+                if self.judge is None and time.time() - members[-1].created > self.cfg.feedback_wait_s:
+                    never += [i.id for i in members]  # nobody scored it in time, and no judge will
                 continue
             out.append(_trajectory(key, members, *result))
         if never:

@@ -373,10 +373,11 @@ class Store:
 
     # --- versions ----------------------------------------------------------------------------------
     def add_version(self, step: int, path: str | None, score: float | None, status: str, note: str = "") -> int:
-        """A new weights version (the next number); `serving` retires the one serving before it."""
+        """A new weights version (the next number, from 0); `serving` retires the one serving before it."""
         v = VERSIONS.c
         with self.engine.begin() as conn:
-            number = (conn.execute(sa.select(sa.func.max(v.version))).scalar() or 0) + 1
+            last = conn.execute(sa.select(sa.func.max(v.version))).scalar()
+            number = 0 if last is None else last + 1  # 0: the starting weights, as a fresh server numbers them
             if status == "serving":
                 conn.execute(sa.update(VERSIONS).where(v.status == "serving").values(status="retired"))
             conn.execute(

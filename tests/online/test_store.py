@@ -92,8 +92,8 @@ def test_versions_have_one_serving_at_a_time(store):
     one = store.add_version(0, "/w/1.safetensors", 0.5, "serving")
     two = store.add_version(1, None, 0.4, "rejected")
     three = store.add_version(2, "/w/3.safetensors", 0.6, "serving")
-    assert (one, two, three) == (1, 2, 3)
-    assert store.serving().version == 3
+    assert (one, two, three) == (0, 1, 2)
+    assert store.serving().version == 2
     assert [v.status for v in store.versions()] == ["retired", "rejected", "serving"]
 
 
