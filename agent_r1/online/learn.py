@@ -86,15 +86,13 @@ class LearnConfig:
 
     def __post_init__(self) -> None:
         t = self.train
+        waits = (self.group_wait_s, self.session_idle_s, self.feedback_wait_s, self.poll_s, self.retention_days)
         checks = [
             (self.min_group >= 2, f"min_group must be >= 2, got {self.min_group}"),
             (t.rollout.group_size >= self.min_group, "train.rollout.group_size must be >= min_group"),
             (0 < self.user_cap <= 1, f"user_cap must be in (0, 1], got {self.user_cap}"),
             (self.gate_tasks >= 1 and self.gate_margin >= 0, "gate_tasks must be >= 1 and gate_margin >= 0"),
-            (
-                min(self.group_wait_s, self.session_idle_s, self.feedback_wait_s, self.poll_s, self.retention_days) >= 0,
-                "group_wait_s, session_idle_s, feedback_wait_s, poll_s and retention_days must be >= 0",
-            ),
+            (min(waits) >= 0, "group_wait_s, session_idle_s, feedback_wait_s, poll_s, retention_days must be >= 0"),
             (bool(self.servers), "servers: give at least one serve --learn URL"),
             (not t.lora.enabled, "train.lora.enabled is not supported by agent-r1 learn yet: train the full model"),
             (t.val.every == 0, "train.val.every must be 0: the gate evaluates every candidate (gate_tasks)"),

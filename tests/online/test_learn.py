@@ -153,7 +153,7 @@ def test_rollback_serves_a_kept_version_again(tmp_path, store):
     src.publish(src.policy)
     number = run_rollback(RollbackConfig(store=store.where, version=0, servers=["http://127.0.0.1:9"]))
     assert number == 2 and store.serving().path == store.versions()[0].path
-    with pytest.raises(ValueError, match="version 7 is not kept .* kept: 0, 1, 2"):
+    with pytest.raises(ValueError, match=r"version 7 is not kept .* kept: 0, 1, 2"):
         run_rollback(RollbackConfig(store=store.where, version=7, servers=[]))
 
 
@@ -162,7 +162,7 @@ def test_learn_config_is_checked(tmp_path):
         learn_config(tmp_path, user_cap=0.0)
     with pytest.raises(ValueError, match="min_group"):
         learn_config(tmp_path, min_group=1)
-    with pytest.raises(ValueError, match="val.every must be 0"):
+    with pytest.raises(ValueError, match=r"val\.every must be 0"):
         learn_config(tmp_path, "val.every=2")
 
 

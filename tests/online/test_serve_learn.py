@@ -69,9 +69,8 @@ async def test_a_conversation_resent_with_its_answer_stays_one_session(model, to
         first = (await client.post("/v1/chat/completions", json=ask("hello there"))).json()
         reply = first["choices"][0]["message"]
         history = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": reply["content"]}]
-        await client.post(
-            "/v1/chat/completions", json=ask("and again") | {"messages": [*history, {"role": "user", "content": "more"}]}
-        )
+        more = [*history, {"role": "user", "content": "more"}]
+        await client.post("/v1/chat/completions", json=ask("and again") | {"messages": more})
         await client.post("/v1/chat/completions", json=ask("hello there"))  # the same opening: a new session
         await client.post("/v1/chat/completions", json=ask("x"), headers={"x-session-id": "mine"})
         await client.post("/v1/chat/completions", json=ask("y"), headers={"x-session-id": "mine"})
@@ -94,10 +93,13 @@ async def test_exploration_samples_n_answers_serves_one_and_stores_all(model, to
 
 
 async def test_a_streamed_answer_is_committed_before_the_stream_ends(model, tokenizer, store):
-    async with make_client(model, tokenizer, store) as client:
-        async with client.stream("POST", "/v1/chat/completions", json=ask("stream it", stream=True)) as reply:
-            interaction = reply.headers[INTERACTION_HEADER]
-            text = "".join([chunk async for chunk in reply.aiter_text()])
+    body = ask("stream it", stream=True)
+    async with (
+        make_client(model, tokenizer, store) as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as reply,
+    ):
+        interaction = reply.headers[INTERACTION_HEADER]
+        text = "".join([chunk async for chunk in reply.aiter_text()])
     assert text.rstrip().endswith("data: [DONE]")
     (stored,) = store.untrained()
     assert stored.id == interaction

@@ -108,7 +108,7 @@ def test_a_file_that_is_not_a_store_is_refused_in_one_line(tmp_path):
     foreign = tmp_path / "foreign.db"
     with sqlite3.connect(foreign) as conn:
         conn.execute("CREATE TABLE invoices (id INTEGER)")
-    with pytest.raises(StoreError, match="not an agent-r1 interaction store .it has invoices."):
+    with pytest.raises(StoreError, match=r"not an agent-r1 interaction store \(it has invoices\)"):
         Store(str(foreign))
 
 
