@@ -191,7 +191,14 @@ class StoreSource:
         stale = [i.id for i in waiting if self.basis - min(i.versions, default=self.basis) > lag]
         if stale:
             self.store.skip(stale, "stale")
-        waiting = [i for i in waiting if i.id not in set(stale)]
+        # the trainer takes log-probs at its sampling temperature: answers sampled at another (greedy ones have
+        # none to train) would get a wrong importance ratio
+        other = [
+            i.id for i in waiting if abs(i.temperature - cfg.train.rollout.temperature) > 1e-6 and i.id not in stale
+        ]
+        if other:
+            self.store.skip(other, "temperature")
+        waiting = [i for i in waiting if i.id not in set(stale) | set(other)]
         sessions = self.store.sessions(i.session for i in waiting)
         settled = {s for s, row in sessions.items() if now - row["last_seen"] >= cfg.session_idle_s}
         trajs, unscored = self._trajectories([i for i in waiting if i.session in settled])
@@ -220,6 +227,7 @@ class StoreSource:
                 share = mine
         return groups, {
             "online/stale_skipped": float(len(stale)),
+            "online/other_temperature_skipped": float(len(other)),
             "online/unscored": float(unscored),
             "online/capped": float(capped),
             "online/settled_sessions": float(len(settled)),

@@ -127,7 +127,7 @@ class Recorder:
     def record(
         self, place: Place, request_id: str, ids: Sequence[str], messages: list[dict[str, Any]],
         prompt: list[int], outs: Sequence[Any], answers: Sequence[dict[str, Any]], served: int,
-        grammar: str | None = None,
+        grammar: str | None = None, temperature: float = 1.0,
     ) -> None:  # fmt: skip
         """Commit a request's answers (`outs`: GenerateOutput; `answers`: each one's chat message; the first
         `served` were sent to the client). Blocks until committed: call it off the event loop."""
@@ -144,7 +144,8 @@ class Recorder:
                     id=ids[k], session=place.session, user=place.user, request=request_id, served=k < served,
                     turn=place.turn, prompt_ids=list(prompt), response_ids=list(out.token_ids),
                     logprobs=list(out.logprobs), versions=list(out.versions or [0] * len(out.token_ids)),
-                    finish_reason=out.finish_reason, grammar=grammar, user_text=redact(user_text), answer=clean,
+                    finish_reason=out.finish_reason,
+                    temperature=temperature, grammar=grammar, user_text=redact(user_text), answer=clean,
                     asks=bool(messages) and messages[-1].get("role") == "user",
                     continues=conversation_digest([*messages, shown], who),
                     trainable=clean == text,

@@ -63,6 +63,7 @@ INTERACTIONS = sa.Table(
     sa.Column("logprobs", sa.LargeBinary, nullable=False),
     sa.Column("versions", sa.LargeBinary, nullable=False),  # the weights version that sampled each token
     sa.Column("finish_reason", sa.String(16), nullable=False),
+    sa.Column("temperature", sa.Float, nullable=False),  # what the log-probs were taken at
     sa.Column("grammar", sa.Text),
     sa.Column("user_text", sa.Text, nullable=False),  # the request's last user message (redacted)
     sa.Column("asks", sa.Boolean, nullable=False),  # the request ends with a user message (not a tool result)
@@ -115,6 +116,7 @@ class Interaction:
     logprobs: list[float]  # [R]
     versions: list[int]  # [R]
     finish_reason: str = "stop"
+    temperature: float = 1.0
     grammar: str | None = None
     user_text: str = ""
     asks: bool = True
@@ -227,7 +229,8 @@ class Store:
                 "turn": i.turn, "created": i.created, "prompt_hash": i.prompt_hash,
                 "prompt_ids": _pack("i", i.prompt_ids), "response_ids": _pack("i", i.response_ids),
                 "logprobs": _pack("d", i.logprobs), "versions": _pack("i", i.versions),
-                "finish_reason": i.finish_reason, "grammar": i.grammar, "user_text": i.user_text, "asks": i.asks,
+                "finish_reason": i.finish_reason, "temperature": i.temperature,
+                "grammar": i.grammar, "user_text": i.user_text, "asks": i.asks,
                 "answer": i.answer, "continues": i.continues, "trainable": i.trainable,
             }
             for i in interactions
@@ -412,6 +415,7 @@ def _interaction(m: Any) -> Interaction:
         id=m["id"], session=m["session"], user=m["user"], request=m["request"], served=bool(m["served"]),
         turn=m["turn"], prompt_ids=_unpack("i", m["prompt_ids"]), response_ids=_unpack("i", m["response_ids"]),
         logprobs=_unpack("d", m["logprobs"]), versions=_unpack("i", m["versions"]), finish_reason=m["finish_reason"],
+        temperature=m["temperature"],
         grammar=m["grammar"], user_text=m["user_text"], asks=bool(m["asks"]), answer=m["answer"],
         continues=m["continues"], trainable=bool(m["trainable"]), created=m["created"], trained_step=m["trained_step"],
     )  # fmt: skip

@@ -228,7 +228,17 @@ class _API:
         async def record(outs: list[GenerateOutput], answers: list[dict[str, Any]]) -> None:
             try:
                 await asyncio.to_thread(
-                    rec.record, place, answer_id, ids, messages, stored, outs, answers, body.n, grammar
+                    rec.record,
+                    place,
+                    answer_id,
+                    ids,
+                    messages,
+                    stored,
+                    outs,
+                    answers,
+                    body.n,
+                    grammar,
+                    body.temperature,
                 )
             except Exception as exc:
                 raise _store_down(exc) from None
