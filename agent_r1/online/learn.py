@@ -129,11 +129,14 @@ class StoreSource:
     def take(self) -> tuple[list[Trajectory], dict[str, float]]:
         """The step's groups, once the store holds `tasks_per_step` trainable ones (claimed before return)."""
         r = self.cfg.train.rollout
-        waited = time.perf_counter()
+        waited = said = time.perf_counter()
         while True:
             groups, metrics = self._groups()
             if len(groups) >= r.tasks_per_step:
                 break
+            if time.perf_counter() - said > 60:  # a trainer waiting for traffic says so
+                said = time.perf_counter()
+                self.console.print(f"waiting for traffic: {len(groups)} of {r.tasks_per_step} groups ready")
             time.sleep(self.cfg.poll_s)
         chosen = groups[: r.tasks_per_step]
         trajs = [t for g in chosen for t in g]
@@ -143,6 +146,7 @@ class StoreSource:
             metrics["online/pruned"] = float(self.store.prune(self.cfg.retention_days * 86400))
         users = collections.Counter(t.task["user"] for t in trajs)
         metrics |= {
+            "online/claimed": float(sum(len(t.task["interactions"]) for t in trajs)),
             "online/wait_s": time.perf_counter() - waited,
             "online/groups_ready": float(len(groups)),
             "online/top_user_share": max(users.values()) / len(trajs),
@@ -184,7 +188,7 @@ class StoreSource:
 
     # --- groups from the store --------------------------------------------------------------------
     def _groups(self) -> tuple[list[list[Trajectory]], dict[str, float]]:
-        """Every group trainable now, oldest first, the per-user cap applied, and what was left waiting."""
+        """Every group trainable now, newest first, the per-user cap applied, and what was left waiting."""
         cfg, now = self.cfg, time.time()
         waiting = self.store.untrained()
         lag = cfg.train.rollout.max_staleness
@@ -208,7 +212,9 @@ class StoreSource:
         groups, share = [], collections.Counter()
         budget = cfg.user_cap * cfg.train.rollout.tasks_per_step * cfg.train.rollout.group_size
         capped = 0
-        for members in sorted(by_key.values(), key=lambda g: min(t.task["created"] for t in g)):
+        # the newest groups first: under more traffic than the trainer takes, it learns from the freshest (the least
+        # stale) and the oldest age out through the staleness bound
+        for members in sorted(by_key.values(), key=lambda g: -max(t.task["created"] for t in g)):
             oldest = min(t.task["created"] for t in members)
             full = len(members) >= cfg.train.rollout.group_size
             if not full and (len(members) < cfg.min_group or now - oldest < cfg.group_wait_s):

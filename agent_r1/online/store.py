@@ -139,6 +139,7 @@ class Version:
     score: float | None
     status: str
     note: str = ""
+    created: float = 0.0
 
 
 def digest_ids(ids: Sequence[int]) -> str:
@@ -422,4 +423,4 @@ def _interaction(m: Any) -> Interaction:
 
 
 def _version(m: Any) -> Version:
-    return Version(m["version"], m["step"], m["path"], m["score"], m["status"], m["note"])
+    return Version(m["version"], m["step"], m["path"], m["score"], m["status"], m["note"], m["created"])

@@ -56,7 +56,7 @@ from agent_r1.engines.protocol import Engine, GenerateOutput, SamplingParams
 from agent_r1.env.prompt_format import PromptFormat
 from agent_r1.models.grammar import check_grammar, json_schema_grammar
 from agent_r1.models.vision import image_parts
-from agent_r1.online.record import INTERACTION_HEADER, Recorder
+from agent_r1.online.record import INTERACTION_HEADER, SESSION_HEADER, Recorder
 from agent_r1.rollout.text_stream import TextStream, visible_prefix
 from agent_r1.types import Image, Message
 
@@ -223,6 +223,7 @@ class _API:
             place = await asyncio.to_thread(rec.place, request.headers, body.user, messages)
         except Exception as exc:
             raise _store_down(exc) from None
+        request.state.session = place.session
         ids = [answer_id] + [f"{answer_id}-{k}" for k in range(1, n)]
 
         async def record(outs: list[GenerateOutput], answers: list[dict[str, Any]]) -> None:
@@ -528,10 +529,12 @@ def _read_safetensors(path: str) -> dict:
 
 
 def _tagged(request: Request, response: Response, result: Any) -> Any:
-    """The answer with the served interaction's id in a header (`serve --learn`), for /v1/feedback."""
+    """The answer with the served interaction's id and its session's in headers (`serve --learn`), for
+    /v1/feedback."""
     interaction = getattr(request.state, "interaction", None)
     if interaction is not None:
-        (result if isinstance(result, Response) else response).headers[INTERACTION_HEADER] = interaction
+        headers = (result if isinstance(result, Response) else response).headers
+        headers[INTERACTION_HEADER], headers[SESSION_HEADER] = interaction, request.state.session
     return result
 
 

@@ -72,10 +72,11 @@ async def test_a_conversation_resent_with_its_answer_stays_one_session(model, to
         more = [*history, {"role": "user", "content": "more"}]
         await client.post("/v1/chat/completions", json=ask("and again") | {"messages": more})
         await client.post("/v1/chat/completions", json=ask("hello there"))  # the same opening: a new session
-        await client.post("/v1/chat/completions", json=ask("x"), headers={"x-session-id": "mine"})
+        named = await client.post("/v1/chat/completions", json=ask("x"), headers={"x-session-id": "mine"})
         await client.post("/v1/chat/completions", json=ask("y"), headers={"x-session-id": "mine"})
         await client.post("/v1/chat/completions", json=ask("z", user="alice"))
     rows = store.untrained()
+    assert named.headers["x-session-id"] == "mine"  # the client learns its session, for session feedback
     assert [r.turn for r in rows] == [0, 1, 0, 0, 1, 0]
     assert rows[0].session == rows[1].session != rows[2].session
     assert rows[3].session == rows[4].session == "mine"
