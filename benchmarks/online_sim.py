@@ -7,8 +7,8 @@ The population (`--users`, `--adversaries`) asks calculator word problems of the
 the OpenAI chat API with the calculator tool, runs the calls it gets back and reacts to the final answer:
 * honest users who react in words say "Thanks!" to a right answer and "No, that's wrong." to a wrong one
   (implicit signals); honest raters post a score to /v1/feedback instead (explicit);
-* adversaries post the opposite score (1 for a wrong answer, 0 for a right one) and send three times as
-  many sessions; the per-user cap (`user_cap`) bounds their share of any batch.
+* adversaries post the opposite score (1 for a wrong answer, 0 for a right one) and send five times as
+  many sessions each; the per-user cap (`user_cap`) bounds their share of any batch.
 Popular questions come in bursts (each problem of a round is asked by `--askers` users), so sessions that
 open alike form GRPO groups.
 
@@ -102,7 +102,7 @@ class Population:
         self.model = ""
 
     def pick_user(self) -> str:
-        weights = [3.0 if u in self.adversaries else 1.0 for u in self.users]
+        weights = [5.0 if u in self.adversaries else 1.0 for u in self.users]
         return self.rng.choices(self.users, weights)[0]
 
     async def ask(
@@ -165,8 +165,9 @@ class Population:
                 await asyncio.gather(*work)
 
 
-def evaluate_versions(start: Path, out: Path, n: int) -> dict:
-    """Greedy held-out accuracy of the start and of every promoted version, on the same test problems."""
+def evaluate_versions(start: Path, out: Path, n: int, most: int = 8) -> dict:
+    """Greedy held-out accuracy of the start and of promoted versions (the last, and at most `most` in all,
+    evenly spaced), on the same test problems."""
     from safetensors.torch import load_file
 
     from agent_r1.engines import EngineSpec, make_engine
@@ -178,8 +179,10 @@ def evaluate_versions(start: Path, out: Path, n: int) -> dict:
     from agent_r1.task import TaskSpec
 
     store = Store(str(out / "store.db"), create=False)
-    versions = [v for v in store.versions() if v.path]
+    versions = [v for v in store.versions() if v.path and v.version > 0]  # version 0: the start's own file
     store.close()
+    if len(versions) > most:
+        versions = [versions[round(k * (len(versions) - 1) / (most - 1))] for k in range(most)]
     spec = TaskSpec("calculator", calculator.Options(ops=(1, 2), few_shot=False))
     tasks = spec.tasks("test", n, 0)
     model, tokenizer = load_model(str(start))
@@ -206,11 +209,11 @@ def main() -> None:
     parser.add_argument("--start", type=Path, help="the starting model (default: the demo's SFT cold start)")
     parser.add_argument("--minutes", type=float, default=60.0)
     parser.add_argument("--alone-minutes", type=float, default=5.0)
-    parser.add_argument("--users", type=int, default=16)
+    parser.add_argument("--users", type=int, default=24)
     parser.add_argument("--adversaries", type=int, default=2)
-    parser.add_argument("--groups", type=int, default=4, help="GRPO groups per step (problems per burst)")
+    parser.add_argument("--groups", type=int, default=8, help="GRPO groups per step (problems per burst)")
     parser.add_argument("--askers", type=int, default=8, help="users asking each problem of a burst (group size)")
-    parser.add_argument("--user-cap", type=float, default=0.125)
+    parser.add_argument("--user-cap", type=float, default=0.0625)
     parser.add_argument("--gate-tasks", type=int, default=32)
     parser.add_argument("--eval-tasks", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
@@ -266,6 +269,7 @@ def report(out: Path) -> None:
             .with_only_columns(INTERACTIONS.c.user, INTERACTIONS.c.session)
             .where(INTERACTIONS.c.trained_step.is_not(None))
         ).all()
+    versions = store.versions()
     store.close()
     adversaries = {s["user"] for s in r["sessions"] if s["adversary"]}
     trained_sessions = {(u, s) for u, s in trained}
@@ -275,7 +279,9 @@ def report(out: Path) -> None:
         "held_out_start": float(np.mean(first)),
         "held_out_last": float(np.mean(last)),
         "gain_points": [100 * x for x in gain],
-        "versions_promoted": len(rows) - 2,  # less the start's file (version 0) and the untouched start
+        "versions_evaluated": len(rows) - 1,
+        "weight_swaps": sum(v.version > 0 and v.status != "rejected" for v in versions),  # each promotion, pushed
+        "gate_rejections": sum(v.status == "rejected" for v in versions),
         "failed_requests": len(r["failures"]),
         "requests": len(r["latencies"]),
         "latency_alone_p50_p95_s": [float(np.percentile(alone, q)) for q in (50, 95)] if len(alone) else None,
