@@ -47,6 +47,8 @@ from agent_r1.online.store import Interaction, Store, StoreError
 from agent_r1.trainer.config import TrainConfig
 from agent_r1.types import Step, Termination, Trajectory
 
+JUDGE_RETRY_S = 60.0  # an answer the judge failed on is asked again after this long
+
 
 @dataclass
 class LearnConfig:
@@ -298,9 +300,13 @@ class StoreSource:
         """Judge scores for answers no other source scored; returns how many still wait (the judge failed)."""
         if self.judge is None:
             return 0
-        waiting = 0
+        waiting, now = 0, time.time()
         for i in interactions:
             if answer_reward(of_answer[i.id]) is not None or (i.served and i.session in of_session):
+                continue
+            failed = [r["created"] for r in of_answer[i.id] if r["source"] == "judge" and r["score"] is None]
+            if failed and now - max(failed) < JUDGE_RETRY_S:  # a judge that is down is not asked every poll
+                waiting += 1
                 continue
             try:
                 score = self.judge(i.user_text, i.answer)

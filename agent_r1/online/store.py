@@ -287,7 +287,7 @@ class Store:
     def rewards(self, interactions: Sequence[str], sessions: Sequence[str]) -> list[dict[str, Any]]:
         """Every reward of these interactions and sessions, oldest first."""
         r = REWARDS.c
-        query = sa.select(r.interaction, r.session, r.source, r.score, r.detail).where(
+        query = sa.select(r.interaction, r.session, r.source, r.score, r.detail, r.created).where(
             sa.or_(r.interaction.in_(list(interactions)), r.session.in_(list(sessions)))
         )
         with self.engine.connect() as conn:

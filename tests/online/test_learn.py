@@ -3,6 +3,7 @@ claims, the gate) and the whole loop: live HTTP traffic -> store -> one RL step 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import httpx
@@ -17,6 +18,7 @@ from agent_r1.engines.cpu.local_engine import LocalEngine
 from agent_r1.env.prompt_format import ChatFormat
 from agent_r1.online.learn import LearnConfig, RollbackConfig, StoreSource, run_learn, run_rollback
 from agent_r1.online.record import Recorder
+from agent_r1.online.rewards import JudgeConfig
 from agent_r1.online.store import Interaction, Store
 from agent_r1.serve import ServedModel, create_app
 from agent_r1.trainer.config import TrainConfig
@@ -94,6 +96,43 @@ def test_a_tool_result_is_not_a_users_reaction_and_explicit_feedback_wins(tmp_pa
     got = {t.traj_id: (t.outcome, t.process_rewards) for t in trajs}
     # a: the first answer was a call answered by a tool (no signal); the second was thanked
     assert got == {"a": (1.0, [0.0, 0.0, 0.0]), "b": (0.2, [0.0, 1.0, 0.0])}
+
+
+def explored(store: Store, texts: list[str]) -> None:
+    """One request explored: its answers share the prompt; the first was served."""
+    store.record([
+        dataclasses.replace(turn("x", 0, "Q"), id=f"x-{k}", served=k == 0, request="x", answer=text)
+        for k, text in enumerate(texts)
+    ])  # fmt: skip
+
+
+def good_judge(user_text: str, answer: str) -> float:
+    return 1.0 if "good" in answer else 0.0
+
+
+def broken_judge(user_text: str, answer: str) -> float:
+    raise ConnectionError("judge unreachable")
+
+
+def test_exploration_groups_are_scored_by_the_judge(tmp_path, store):
+    explored(store, ["a good answer", "a bad one", "good again"])
+    cfg = learn_config(tmp_path, judge=JudgeConfig(function="tests.online.test_learn:good_judge"))
+    trajs, _ = source(cfg, store).take()
+    assert sorted((t.steps[0].text, t.outcome) for t in trajs) == [
+        ("a bad one", 0.0), ("a good answer", 1.0), ("good again", 1.0)
+    ]  # fmt: skip
+    assert len({t.group_id for t in trajs}) == 1
+    assert {r["source"] for r in store.rewards(["x-0", "x-1", "x-2"], [])} == {"judge"}
+
+
+def test_a_judge_that_fails_leaves_answers_waiting_and_is_not_asked_every_poll(tmp_path, store):
+    explored(store, ["one", "two"])
+    src = source(learn_config(tmp_path, judge=JudgeConfig(function="tests.online.test_learn:broken_judge")), store)
+    for _ in range(3):
+        groups, metrics = src._groups()
+        assert groups == [] and metrics["online/unscored"] == 2
+    assert store.counts()["judge_failures"] == 2  # once per answer, not once per poll
+    assert len(store.untrained()) == 2  # nothing dropped: they wait for the judge
 
 
 def test_no_user_gets_more_than_the_cap_of_a_batch(tmp_path, store):
