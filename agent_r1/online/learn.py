@@ -124,7 +124,11 @@ class StoreSource:
             serving = self._promote(policy, start, gate(policy), "the starting weights")
         elif serving.step != start and serving.path:  # the trainer follows what serves (a rollback, a lost step)
             self._load(serving.path)
-        self.basis = serving.version  # the serving version the trainer's weights descend from
+        # a token's version is the serving version that sampled it; the trainer counts in its own steps: the step
+        # whose weights each version holds, and the step the trainer's weights are (the serving one's after a
+        # rejection sent it back)
+        self.step_of = {v.version: v.step for v in store.versions()}
+        self.basis = serving.step
         self.serving_score = serving.score if serving.score is not None else gate(policy)
 
     # --- the producer's interface ----------------------------------------------------------------
@@ -164,7 +168,7 @@ class StoreSource:
         out = {"gate/score": score, "gate/serving_score": self.serving_score}
         if score >= self.serving_score - self.cfg.gate_margin:
             version = self._promote(model, self.step, score, f"gate {score:.3f} >= {self.serving_score:.3f}")
-            self.basis, self.serving_score = version.version, score
+            self.basis, self.serving_score = self.step, score
             out |= {"gate/promoted": 1.0, "online/serving_version": float(version.version)}
         else:
             serving = self.store.serving()
@@ -175,6 +179,7 @@ class StoreSource:
             )
             if serving is not None and serving.path:
                 self._load(serving.path)
+                self.basis = serving.step
             out |= {"gate/promoted": 0.0}
         return out | {"time/gate": time.perf_counter() - t0}
 
@@ -194,7 +199,8 @@ class StoreSource:
         cfg, now = self.cfg, time.time()
         waiting = self.store.untrained()
         lag = cfg.train.rollout.max_staleness
-        stale = [i.id for i in waiting if self.basis - min(i.versions, default=self.basis) > lag]
+        self.step_of = {v.version: v.step for v in self.store.versions()}
+        stale = [i.id for i in waiting if self.basis - self._step(min(i.versions, default=-1)) > lag]
         if stale:
             self.store.skip(stale, "stale")
         # the trainer takes log-probs at its sampling temperature: answers sampled at another (greedy ones have
@@ -274,6 +280,8 @@ class StoreSource:
                 if self.judge is None and time.time() - members[-1].created > self.cfg.feedback_wait_s:
                     never += [i.id for i in members]  # nobody scored it in time, and no judge will
                 continue
+            for i in members:  # each token's version as the trainer step whose weights sampled it
+                i.versions = [self._step(v) for v in i.versions]
             out.append(_trajectory(key, members, *result))
         if never:
             self.store.skip(never, "unrewarded")
@@ -320,6 +328,11 @@ class StoreSource:
         return waiting
 
     # --- versions ----------------------------------------------------------------------------------
+    def _step(self, version: int) -> int:
+        """The trainer step whose weights a serving version holds (a version the store does not know, or none:
+        the trainer's own, as a server that never took a push samples the starting weights)."""
+        return self.step_of.get(version, self.basis)
+
     def _promote(self, model: torch.nn.Module, step: int, score: float, note: str):
         """Write the weights where servers read them, record them as serving, push them between tokens."""
         path = save_weights(model, Path(self.cfg.versions_dir) / f"step-{step:06d}.safetensors")

@@ -152,7 +152,8 @@ def test_answers_older_than_the_staleness_bound_are_skipped(tmp_path, store):
     for k in range(2):
         store.record([turn(f"old{k}", 0, "Q", version=0), turn(f"old{k}", 1, "thanks", version=0)])
     src = source(learn_config(tmp_path, "rollout.max_staleness=0"), store, scores=(0.5, 0.6))
-    src.publish(src.policy)  # promoted: the trainer's weights are version 1, the answers' version 0
+    src.step = 1  # a step was trained (on nothing here) ...
+    src.publish(src.policy)  # ... and promoted: the trainer's weights are step 1's, the answers' step 0's
     for k in range(2):
         store.record([turn(f"new{k}", 0, "Q", version=1), turn(f"new{k}", 1, "no", version=1)])
     trajs, metrics = src.take()
@@ -232,6 +233,8 @@ def test_live_traffic_trains_a_step_and_the_server_takes_the_new_version(tmp_pat
         history = run_learn(cfg, QUIET)
         assert engine.weights_version == 1  # the starting weights were 0, pushed too
     assert history[-1]["gate/promoted"] == 1.0 and history[-1]["trained_episodes"] == 4
+    # the consistency check on live traffic: the server's log-probs are the trainer's, recomputed
+    assert 0 < history[-1]["logprob_drift_max"] < 1e-3, history[-1]["logprob_drift_max"]
     assert store.counts()["trained"] == 8  # every answer of the 4 sessions, claimed by step 1
     trained = load_file(store.serving().path)
     now = engine.model.state_dict()
