@@ -259,5 +259,10 @@ def error_body(err: APIError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": err.message}}
 
 
+def new_id() -> str:
+    """A Message's id."""
+    return _id("msg")
+
+
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"

@@ -31,6 +31,7 @@ import dataclasses
 import os
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +45,7 @@ from agent_r1.engines.protocol import Engine, SamplingParams, alias_key, full_st
 from agent_r1.evaluate import evaluate
 from agent_r1.online.rewards import Judge, JudgeConfig, JudgeError, answer_reward, implicit_rule, session_return
 from agent_r1.online.store import Interaction, Store, StoreError
-from agent_r1.trainer.config import TrainConfig
+from agent_r1.trainer.config import RolloutConfig, TrainConfig
 from agent_r1.types import Step, Termination, Trajectory
 
 JUDGE_RETRY_S = 60.0  # an answer the judge failed on is asked again after this long
@@ -58,7 +59,11 @@ class LearnConfig:
     """the serve --learn servers that take each promoted version (base URLs, without /v1)"""
     versions_dir: str = "runs/online/versions"
     """where promoted weights go: a directory every server can read"""
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(run_dir="runs/online/trainer", steps=1000))
+    train: TrainConfig = field(
+        default_factory=lambda: TrainConfig(
+            run_dir="runs/online/trainer", steps=1000, rollout=RolloutConfig(max_staleness=4)
+        )
+    )
     """the RL settings (train.task's val split is the gate's held-out set; tasks_per_step = groups per step,
     group_size = the most trajectories a group contributes)"""
     min_group: int = 2
@@ -98,6 +103,10 @@ class LearnConfig:
             (bool(self.servers), "servers: give at least one serve --learn URL"),
             (not t.lora.enabled, "train.lora.enabled is not supported by agent-r1 learn yet: train the full model"),
             (t.val.every == 0, "train.val.every must be 0: the gate evaluates every candidate (gate_tasks)"),
+            (
+                t.rollout.max_staleness >= 1,
+                "train.rollout.max_staleness must be >= 1: answers sampled before the last promotion are still coming",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -122,13 +131,16 @@ class StoreSource:
         serving = store.serving()
         if serving is None:  # the starting weights are version 0: the gate's baseline, a rollback target
             serving = self._promote(policy, start, gate(policy), "the starting weights")
-        elif serving.step != start and serving.path:  # the trainer follows what serves (a rollback, a lost step)
+        elif serving.step > start:  # promoted, then killed before its checkpoint: its claims were just released,
+            # so what serves must be the checkpoint's weights, or those interactions would count twice
+            serving = self._promote(policy, start, gate(policy), f"step {start}'s checkpoint, resumed")
+        elif serving.step < start and serving.path:  # a rollback while the trainer was down: it follows
             self._load(serving.path)
         # a token's version is the serving version that sampled it; the trainer counts in its own steps: the step
         # whose weights each version holds, and the step the trainer's weights are (the serving one's after a
         # rejection sent it back)
         self.step_of = {v.version: v.step for v in store.versions()}
-        self.basis = serving.step
+        self.basis, self.serving_version = serving.step, serving.version
         self.serving_score = serving.score if serving.score is not None else gate(policy)
 
     # --- the producer's interface ----------------------------------------------------------------
@@ -164,11 +176,19 @@ class StoreSource:
     def publish(self, model: torch.nn.Module) -> dict[str, float]:
         """The gate (module docstring): promote and push, or reject and go back to the serving weights."""
         t0 = time.perf_counter()
+        current = self.store.serving()
+        if current is not None and current.version != self.serving_version:  # rolled back meanwhile: follow it
+            self.console.print(f"version {current.version} serves now ({current.note}): the trainer goes on from it")
+            if current.path:
+                self._load(current.path)
+            self.basis, self.serving_version = current.step, current.version
+            self.serving_score = current.score if current.score is not None else self.gate(model)
+            return {"gate/promoted": 0.0, "online/followed_rollback": 1.0}
         score = self.gate(model)
         out = {"gate/score": score, "gate/serving_score": self.serving_score}
         if score >= self.serving_score - self.cfg.gate_margin:
             version = self._promote(model, self.step, score, f"gate {score:.3f} >= {self.serving_score:.3f}")
-            self.basis, self.serving_score = self.step, score
+            self.basis, self.serving_score, self.serving_version = self.step, score, version.version
             out |= {"gate/promoted": 1.0, "online/serving_version": float(version.version)}
         else:
             serving = self.store.serving()
@@ -264,27 +284,36 @@ class StoreSource:
             elif r["score"] is not None and r["source"] == "explicit":
                 of_session[r["session"]].append(r["score"])
         unscored = self._add_judged(interactions, of_answer, of_session)
-        units: dict[str, list[Interaction]] = collections.defaultdict(list)
-        for i in interactions:
-            units[i.session if i.served else i.id].append(i)
-        out = []
-        never = []
-        for key, members in units.items():
-            members.sort(key=lambda i: i.turn)
+        out, never, tails = [], [], []
+        explored = {i.request for i in interactions if not i.served}
+        for key, members in _units(interactions).items():
             if not all(i.trainable for i in members):
                 never += [i.id for i in members]
                 continue
             scores = [(answer_reward(of_answer[i.id]) or (None, ""))[0] for i in members]
-            result = session_return(of_session.get(key, []) if members[0].served else [], scores)
+            own = of_session.get(key, []) if members[0].served else []
+            scored = [k for k, s in enumerate(scores) if s is not None]
+            if not own and scored and scored[-1] < len(members) - 1:  # answers after the last one scored
+                if self.judge is not None:
+                    continue  # the judge failed on them: the session waits for it
+                tails += [i.id for i in members[scored[-1] + 1 :]]  # nobody reacted to them: not trained
+                members, scores = members[: scored[-1] + 1], scores[: scored[-1] + 1]
+            result = session_return(own, scores)
             if result is None:
                 if self.judge is None and time.time() - members[-1].created > self.cfg.feedback_wait_s:
                     never += [i.id for i in members]  # nobody scored it in time, and no judge will
                 continue
             for i in members:  # each token's version as the trainer step whose weights sampled it
                 i.versions = [self._step(v) for v in i.versions]
-            out.append(_trajectory(key, members, *result))
+            # explored answers are a group of their own request's (the served one with them when it was the whole
+            # session): answers to one prompt, scored alike; a session's group: sessions that opened alike
+            alone = len(members) == 1 and members[0].request in explored
+            group = f"request:{members[0].request}" if not members[0].served or alone else members[0].prompt_hash
+            out.append(_trajectory(key, group, members, *result))
         if never:
             self.store.skip(never, "unrewarded")
+        if tails:
+            self.store.skip(tails, "unscored_tail")
         return out, unscored
 
     def _add_implicit(self, served: list[Interaction]) -> None:
@@ -335,7 +364,8 @@ class StoreSource:
 
     def _promote(self, model: torch.nn.Module, step: int, score: float, note: str):
         """Write the weights where servers read them, record them as serving, push them between tokens."""
-        path = save_weights(model, Path(self.cfg.versions_dir) / f"step-{step:06d}.safetensors")
+        name = f"step-{step:06d}-{uuid.uuid4().hex[:8]}.safetensors"  # a step number may come again after a resume
+        path = save_weights(model, Path(self.cfg.versions_dir) / name)
         number = self.store.add_version(step, str(path), score, "serving", note)
         push(self.cfg.servers, str(path), number, self.console)
         return self.store.serving()
@@ -394,20 +424,35 @@ def push(servers: list[str], path: str, version: int, console: Console) -> int:
     return done
 
 
-def _trajectory(key: str, members: list[Interaction], outcome: float, process: list[float | None]) -> Trajectory:
+def _units(interactions: list[Interaction]) -> dict[str, list[Interaction]]:
+    """What becomes one trajectory each: a session's served answers, one per turn in turn order (an answer
+    regenerated for the same turn leaves the chain, and stands alone as every unserved answer does)."""
+    units: dict[str, list[Interaction]] = collections.defaultdict(list)
+    for i in sorted(interactions, key=lambda i: (i.turn, -i.created)):  # the latest answer of a turn first
+        chain = units[i.session]
+        if i.served and not (chain and chain[-1].turn == i.turn):
+            chain.append(i)
+        else:
+            units[i.id].append(i)
+    return {k: v for k, v in units.items() if v}
+
+
+def _trajectory(
+    key: str, group: str, members: list[Interaction], outcome: float, process: list[float | None]
+) -> Trajectory:
     first = members[0]
     steps = [
         Step(
             prompt_ids=i.prompt_ids, response_ids=i.response_ids, response_logprobs=i.logprobs,
             reward=outcome if k == len(members) - 1 else process[k], text=i.answer, index=k,
             finish_reason=i.finish_reason, done=k == len(members) - 1, response_versions=i.versions,
-            grammar=i.grammar,
+            grammar=i.grammar, state=i.prompt_hash,
         )
         for k, i in enumerate(members)
     ]  # fmt: skip
     task = {"session": first.session, "user": first.user, "created": first.created}
     task["interactions"] = [i.id for i in members]
-    return Trajectory(task, key, first.prompt_hash, steps, Termination.ANSWERED)
+    return Trajectory(task, key, group, steps, Termination.ANSWERED)
 
 
 def gate_fn(

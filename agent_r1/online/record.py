@@ -98,14 +98,17 @@ class Recorder:
 
     def place(self, headers: Mapping[str, str], user: str | None, messages: list[dict[str, Any]]) -> Place:
         """The request's session (module docstring). Runs a query: call it off the event loop."""
-        who = headers.get(USER_HEADER) or user or ""
-        if session := headers.get(SESSION_HEADER):
-            return Place(session[:128], who or session[:128], self.store.next_turn(session[:128]))
+        who = (headers.get(USER_HEADER) or user or "")[:256]
         last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
-        if last >= 0 and (found := self.store.session_of(conversation_digest(messages[: last + 1], who))):
-            return Place(found[0], who or found[0], found[1])
-        session = "sess-" + uuid.uuid4().hex
-        return Place(session, who or session, 0)
+        if session := headers.get(SESSION_HEADER, "")[:128]:
+            place = Place(session, who or session, self.store.next_turn(session))
+        elif last >= 0 and (found := self.store.session_of(conversation_digest(messages[: last + 1], who))):
+            place = Place(found[0], who or found[0], found[1])
+        else:
+            session = "sess-" + uuid.uuid4().hex
+            place = Place(session, who or session, 0)
+        self.store.touch(place.session, place.user)  # not settled while this answer is being generated
+        return place
 
     def redacted(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
         """The messages with every text redacted, and whether anything changed."""
@@ -126,11 +129,14 @@ class Recorder:
 
     def record(
         self, place: Place, request_id: str, ids: Sequence[str], messages: list[dict[str, Any]],
-        prompt: list[int], outs: Sequence[Any], answers: Sequence[dict[str, Any]], served: int,
-        grammar: str | None = None, temperature: float = 1.0,
+        prompt: list[int], outs: Sequence[Any], answers: Sequence[dict[str, Any]], grammar: str | None = None,
+        temperature: float = 1.0, exact: bool = True,
     ) -> None:  # fmt: skip
-        """Commit a request's answers (`outs`: GenerateOutput; `answers`: each one's chat message; the first
-        `served` were sent to the client). Blocks until committed: call it off the event loop."""
+        """Commit a request's answers (`outs`: GenerateOutput; `answers`: each one's chat message). The first
+        continues the session (with n > 1 the client got the first n; the others were explored); every other
+        answer is trained as an explored one. `exact`: the log-probs are the full distribution's at
+        `temperature` and the ids are the whole prompt (not so under top_p < 1, nor with images, which the store
+        does not keep): otherwise stored, never trained. Blocks until committed: call it off the event loop."""
         user_text = next((text_of(m.get("content")) for m in reversed(messages) if m.get("role") == "user"), "")
         redact = self.redact or (lambda t: t)
         who = "" if place.user == place.session else place.user  # as `place` digests it
@@ -141,14 +147,14 @@ class Recorder:
             shown = answer | {"content": clean}
             rows.append(
                 Interaction(
-                    id=ids[k], session=place.session, user=place.user, request=request_id, served=k < served,
+                    id=ids[k], session=place.session, user=place.user, request=request_id, served=k == 0,
                     turn=place.turn, prompt_ids=list(prompt), response_ids=list(out.token_ids),
                     logprobs=list(out.logprobs), versions=list(out.versions or [0] * len(out.token_ids)),
                     finish_reason=out.finish_reason,
                     temperature=temperature, grammar=grammar, user_text=redact(user_text), answer=clean,
                     asks=bool(messages) and messages[-1].get("role") == "user",
                     continues=conversation_digest([*messages, shown], who),
-                    trainable=clean == text,
+                    trainable=exact and clean == text,
                 )
             )  # fmt: skip
         self.store.record(rows)

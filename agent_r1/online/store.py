@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DatabaseError, OperationalError
 
 SCHEMA_VERSION = 1
@@ -188,7 +189,15 @@ class Store:
         except StoreError:
             self.engine.dispose()
             raise
-        except (DatabaseError, OperationalError, sqlite3.DatabaseError) as exc:
+        except OperationalError as exc:
+            self.engine.dispose()
+            why = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
+            if not self.sqlite:  # PostgreSQL that does not answer, or refuses the login
+                raise StoreError(f"store {where}: cannot connect ({why})") from None
+            raise StoreError(
+                f"store {where}: not an agent-r1 interaction store ({why}); expected schema version {SCHEMA_VERSION}"
+            ) from None
+        except (DatabaseError, sqlite3.DatabaseError) as exc:
             self.engine.dispose()
             why = str(getattr(exc, "orig", exc)).splitlines()[0]
             raise StoreError(
@@ -237,12 +246,20 @@ class Store:
             for i in interactions
         ]  # fmt: skip
         with self.engine.begin() as conn:
-            seen = conn.execute(
-                sa.update(SESSIONS).where(SESSIONS.c.id == first.session).values(last_seen=now)
-            ).rowcount
-            if not seen:
-                conn.execute(sa.insert(SESSIONS).values(id=first.session, user=first.user, created=now, last_seen=now))
+            self._see(conn, first.session, first.user, now)
             conn.execute(sa.insert(INTERACTIONS), rows)
+
+    def touch(self, session: str, user: str, now: float | None = None) -> None:
+        """A request of `session` has arrived: it is not settled while the answer is being generated."""
+        with self.engine.begin() as conn:
+            self._see(conn, session, user, time.time() if now is None else now)
+
+    def _see(self, conn: Any, session: str, user: str, now: float) -> None:
+        """Create the session or move its last-seen time, in one statement: two first requests of one session
+        at once must not both insert it."""
+        insert = (postgresql.insert if self.engine.dialect.name == "postgresql" else sqlite.insert)(SESSIONS)
+        row = {"id": session, "user": user, "created": now, "last_seen": now}
+        conn.execute(insert.values(**row).on_conflict_do_update(index_elements=["id"], set_={"last_seen": now}))
 
     def session_of(self, continues: str) -> tuple[str, int] | None:
         """(session, next turn) of the served answer whose conversation `continues` digests, if any."""

@@ -39,6 +39,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.exc import SQLAlchemyError
 from transformers import PreTrainedTokenizerBase
 
 from agent_r1.api import anthropic, bodies, responses
@@ -132,10 +133,11 @@ class _API:
     async def messages(self, body: anthropic.MessagesRequest, request: Request, response: Response) -> Any:
         """Anthropic Messages: the chat request it means, answered as a Message or Anthropic's event stream."""
         chat = anthropic.to_chat(body, ChatCompletionRequest)
-        prompt_tokens, result = await self._chat(chat, request)
+        message_id = None if body.stream else anthropic.new_id()  # the id feedback names (a stream's: the header)
+        prompt_tokens, result = await self._chat(chat, request, message_id)
         if body.stream:
             return _tagged(request, response, sse(anthropic.events(result, self.s.name, prompt_tokens), "messages"))
-        return _tagged(request, response, anthropic.message(result))
+        return _tagged(request, response, anthropic.message(result) | ({"id": message_id} if message_id else {}))
 
     async def count_tokens(self, body: anthropic.CountTokensRequest) -> dict[str, int]:
         """The prompt's length in tokens, rendered as /v1/messages would render it."""
@@ -183,7 +185,10 @@ class _API:
         rec = self.s.recorder
         n = rec.explores(body.n, body.stream) if rec else body.n  # exploration samples more than it serves
         rows = [prompt] * n  # choice k is sampled with seed + k (the engine's), as vLLM's n
-        record = await self._recording(body, request, prompt, grammar, answer_id or head["id"], n) if rec else None
+        record = None
+        if rec:
+            exact = body.top_p >= 1 and not images  # log-probs of the whole distribution, a prompt of ids alone
+            record = await self._recording(body, request, prompt, grammar, answer_id or head["id"], n, exact)
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
             return len(prompt), self._chat_events(head, rows, images, params, stops, tools, forced, usage, record)
@@ -207,41 +212,30 @@ class _API:
 
     async def _recording(
         self, body: ChatCompletionRequest, request: Request, prompt: list[int], grammar: str | None, answer_id: str,
-        n: int,
+        n: int, exact: bool,
     ) -> Callable[[list[GenerateOutput], list[dict[str, Any]]], Awaitable[None]]:  # fmt: skip
         """Find the request's session now, and return the coroutine that commits its `n` answers (agent_r1/online/
         record.py). A store that fails is a 503: no answer goes out that the store does not hold."""
         rec = self.s.recorder
         assert rec is not None
         request.state.interaction = answer_id
-        messages, changed = rec.redacted([m.model_dump(exclude_none=True) for m in body.messages])
+        messages, changed = await off_loop(rec.redacted, [m.model_dump(exclude_none=True) for m in body.messages])
         stored = prompt
         if changed:  # the prompt the trainer sees is the redacted conversation, rendered the same way
             redacted = body.model_copy(update={"messages": [ChatMessage(**m) for m in messages]})
             stored = (await self._chat_input(redacted))[0]
         try:
             place = await asyncio.to_thread(rec.place, request.headers, body.user, messages)
-        except Exception as exc:
+        except STORE_ERRORS as exc:
             raise _store_down(exc) from None
         request.state.session = place.session
         ids = [answer_id] + [f"{answer_id}-{k}" for k in range(1, n)]
 
         async def record(outs: list[GenerateOutput], answers: list[dict[str, Any]]) -> None:
             try:
-                await asyncio.to_thread(
-                    rec.record,
-                    place,
-                    answer_id,
-                    ids,
-                    messages,
-                    stored,
-                    outs,
-                    answers,
-                    body.n,
-                    grammar,
-                    body.temperature,
-                )
-            except Exception as exc:
+                args = (place, answer_id, ids, messages, stored, outs, answers, grammar, body.temperature, exact)
+                await asyncio.to_thread(rec.record, *args)
+            except STORE_ERRORS as exc:
                 raise _store_down(exc) from None
 
         return record
@@ -255,16 +249,22 @@ class _API:
             raise APIError(400, "feedback needs response_id or session_id (one of them)")
         kind, key = ("interaction", body.response_id) if body.response_id else ("session", body.session_id)
         what = "response_id" if kind == "interaction" else "session_id"
-        if not await asyncio.to_thread(store.exists, **{kind: key}):
-            raise APIError(404, f"{what} {key!r} is not in the interaction store", param=what)
         detail = {"comment": body.comment} if body.comment else {}
-        await asyncio.to_thread(store.add_reward, "explicit", body.score, **{kind: key}, detail=detail)
+        try:
+            if not await asyncio.to_thread(store.exists, **{kind: key}):
+                raise APIError(404, f"{what} {key!r} is not in the interaction store", param=what)
+            await asyncio.to_thread(store.add_reward, "explicit", body.score, **{kind: key}, detail=detail)
+        except STORE_ERRORS as exc:
+            raise _store_down(exc) from None
         return {"recorded": True, what: key, "score": body.score}
 
     async def learn_status(self) -> dict[str, Any]:
         """What the store holds and how far training has got: interactions, rewards by source, versions."""
         assert self.s.recorder is not None
-        counts = await asyncio.to_thread(self.s.recorder.store.counts)
+        try:
+            counts = await asyncio.to_thread(self.s.recorder.store.counts)
+        except STORE_ERRORS as exc:
+            raise _store_down(exc) from None
         return counts | {"recorded_here": self.s.recorder.recorded, "weights_version": self.s.engine.weights_version}
 
     async def _chat_input(self, body: ChatCompletionRequest) -> tuple[list[int], list[Image], list[dict], str]:
@@ -536,6 +536,9 @@ def _tagged(request: Request, response: Response, result: Any) -> Any:
         headers = (result if isinstance(result, Response) else response).headers
         headers[INTERACTION_HEADER], headers[SESSION_HEADER] = interaction, request.state.session
     return result
+
+
+STORE_ERRORS = (SQLAlchemyError, OSError)  # the store failed; anything else is a bug, a 500 that says so
 
 
 def _store_down(exc: BaseException) -> APIError:

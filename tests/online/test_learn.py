@@ -78,7 +78,9 @@ def test_sessions_become_trajectories_grouped_by_their_opening_with_implicit_rew
     assert len({t.group_id for t in trajs}) == 1
     outcomes = {t.traj_id: t.outcome for t in trajs}
     assert outcomes == {"s1": 1.0, "s2": 1.0, "s3": 0.0, "s4": 0.0}  # the reaction to the first answer
-    assert all(len(t.steps) == 2 and t.steps[1].done and t.process_rewards == [0.0, 0.0] for t in trajs)
+    # the answers nobody reacted to (the last of each session) are not trained: the reward is the first answer's
+    assert all(len(t.steps) == 1 and t.steps[0].done for t in trajs)
+    assert store.counts()["skipped"] == 4
     stored = store.rewards(["s1-0", "s3-0", "s1-1"], [])
     assert [(r["interaction"], r["source"], r["score"]) for r in stored] == [
         ("s1-0", "implicit", 1.0),
@@ -95,7 +97,7 @@ def test_a_tool_result_is_not_a_users_reaction_and_explicit_feedback_wins(tmp_pa
     trajs, _ = source(learn_config(tmp_path), store).take()
     got = {t.traj_id: (t.outcome, t.process_rewards) for t in trajs}
     # a: the first answer was a call answered by a tool (no signal); the second was thanked
-    assert got == {"a": (1.0, [0.0, 0.0, 0.0]), "b": (0.2, [0.0, 1.0, 0.0])}
+    assert got == {"a": (1.0, [0.0, 0.0]), "b": (0.2, [0.0, 1.0, 0.0])}  # a's thanked answer ends it
 
 
 def explored(store: Store, texts: list[str]) -> None:
@@ -145,20 +147,21 @@ def test_no_user_gets_more_than_the_cap_of_a_batch(tmp_path, store):
     users = [t.task["user"] for t in trajs]
     assert users.count("adversary") == 2 and len(trajs) == 5
     assert metrics["online/top_user_share"] == 2 / 5
-    assert sum(i.user == "adversary" for i in store.untrained()) == 8  # the rest wait for later batches
+    assert sum(i.user == "adversary" for i in store.untrained()) == 4  # the rest wait for later batches
 
 
 def test_answers_older_than_the_staleness_bound_are_skipped(tmp_path, store):
     for k in range(2):
         store.record([turn(f"old{k}", 0, "Q", version=0), turn(f"old{k}", 1, "thanks", version=0)])
-    src = source(learn_config(tmp_path, "rollout.max_staleness=0"), store, scores=(0.5, 0.6))
-    src.step = 1  # a step was trained (on nothing here) ...
-    src.publish(src.policy)  # ... and promoted: the trainer's weights are step 1's, the answers' step 0's
+    src = source(learn_config(tmp_path, "rollout.max_staleness=1"), store, scores=(0.5, 0.6, 0.7))
+    for step in (1, 2):  # two steps trained (on nothing here) and promoted: the answers are 2 steps old
+        src.step = step
+        src.publish(src.policy)
     for k in range(2):
-        store.record([turn(f"new{k}", 0, "Q", version=1), turn(f"new{k}", 1, "no", version=1)])
+        store.record([turn(f"new{k}", 0, "Q", version=2), turn(f"new{k}", 1, "no", version=2)])
     trajs, metrics = src.take()
     assert sorted(t.traj_id for t in trajs) == ["new0", "new1"] and metrics["online/stale_skipped"] == 4
-    assert store.counts()["skipped"] == 4
+    assert store.counts()["skipped"] == 6  # the 4 stale answers, and the 2 new ones nobody reacted to
 
 
 def test_a_resumed_trainer_releases_the_claims_its_checkpoint_does_not_hold(tmp_path, store):
@@ -167,7 +170,7 @@ def test_a_resumed_trainer_releases_the_claims_its_checkpoint_does_not_hold(tmp_
     source(learn_config(tmp_path), store).take()  # claimed by step 1, whose update is then lost
     assert store.untrained() == []
     again = source(learn_config(tmp_path), store, start=0)
-    assert again.released == 4 and len(store.untrained()) == 4
+    assert again.released == 2 and len(store.untrained()) == 2
 
 
 def test_the_gate_promotes_or_rejects_and_a_rejected_trainer_returns_to_the_serving_weights(tmp_path, store):
@@ -195,6 +198,23 @@ def test_rollback_serves_a_kept_version_again(tmp_path, store):
     assert number == 2 and store.serving().path == store.versions()[0].path
     with pytest.raises(ValueError, match=r"version 7 is not kept .* kept: 0, 1, 2"):
         run_rollback(RollbackConfig(store=store.where, version=7, servers=[]))
+    with torch.no_grad():
+        src.policy.model.norm.weight.add_(1.0)
+    followed = src.publish(src.policy)  # the running trainer sees the rollback: it goes on from version 0
+    assert followed == {"gate/promoted": 0.0, "online/followed_rollback": 1.0}
+    start = load_file(store.versions()[0].path)["model.norm.weight"]
+    assert torch.equal(src.policy.model.norm.weight, start) and store.serving().version == 2
+
+
+def test_a_trainer_resumed_behind_the_serving_version_serves_its_checkpoint(tmp_path, store):
+    """Killed after promoting step 1, before its checkpoint: step 1's claims are released, so step 1's weights
+    must not serve (nor train on), or its interactions would count twice."""
+    src = source(learn_config(tmp_path), store, scores=(0.5, 0.7))
+    src.step = 1
+    src.publish(src.policy)
+    assert store.serving().step == 1
+    source(learn_config(tmp_path), store, scores=(0.5,), start=0)
+    assert (store.serving().step, store.serving().version) == (0, 2) and "resumed" in store.serving().note
 
 
 def test_learn_config_is_checked(tmp_path):
@@ -204,6 +224,8 @@ def test_learn_config_is_checked(tmp_path):
         learn_config(tmp_path, min_group=1)
     with pytest.raises(ValueError, match=r"val\.every must be 0"):
         learn_config(tmp_path, "val.every=2")
+    with pytest.raises(ValueError, match="max_staleness must be >= 1"):
+        learn_config(tmp_path, "rollout.max_staleness=0")
 
 
 def test_live_traffic_trains_a_step_and_the_server_takes_the_new_version(tmp_path, tool_model_dir, tokenizer):
@@ -235,7 +257,7 @@ def test_live_traffic_trains_a_step_and_the_server_takes_the_new_version(tmp_pat
     assert history[-1]["gate/promoted"] == 1.0 and history[-1]["trained_episodes"] == 4
     # the consistency check on live traffic: the server's log-probs are the trainer's, recomputed
     assert 0 < history[-1]["logprob_drift_max"] < 1e-3, history[-1]["logprob_drift_max"]
-    assert store.counts()["trained"] == 8  # every answer of the 4 sessions, claimed by step 1
+    assert store.counts()["trained"] == 4  # the 4 scored answers, claimed by step 1 (the replies to thanks are not)
     trained = load_file(store.serving().path)
     now = engine.model.state_dict()
     assert all(torch.equal(now[k], v) for k, v in trained.items())

@@ -122,7 +122,17 @@ async def test_redaction_runs_before_storage(model, tokenizer, store):
     assert stored.user_text == "my card is ####"
     assert "4242" not in tokenizer.decode(stored.prompt_ids) and "####" in tokenizer.decode(stored.prompt_ids)
     assert reply.json()["prompt_token_ids"] != stored.prompt_ids  # the prompt was rendered again, redacted
-    assert stored.trainable == (redact(stored.answer) == stored.answer)
+    assert stored.trainable  # the answer had nothing to redact
+
+
+async def test_an_answer_that_redaction_changes_is_kept_as_text_and_never_trained(model, tokenizer, store):
+    async with make_client(model, tokenizer, store, redact=lambda t: t.replace("a", "@")) as client:
+        reply = await client.post("/v1/chat/completions", json=ask("hello", temperature=1.0, seed=2, max_tokens=24))
+    content = reply.json()["choices"][0]["message"]["content"]
+    (stored,) = store.untrained()
+    assert stored.answer == content.replace("a", "@")
+    assert stored.trainable == ("a" not in content)
+    assert "a" in content  # this seed's answer has one: the case under test
 
 
 async def test_feedback_is_stored_and_bad_feedback_is_a_4xx(model, tokenizer, store):
