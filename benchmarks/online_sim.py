@@ -78,7 +78,7 @@ def start_trainer(start: Path, out: Path, url: str, args: argparse.Namespace) ->
         f"train.model={start}", *[f"train.{t}" for t in TASK], f"train.run_dir={out / 'trainer'}", "train.steps=10000",
         "train.save_every=1", f"train.rollout.tasks_per_step={args.groups}", f"train.rollout.group_size={args.askers}",
         f"train.rollout.max_new_tokens={MAX_TOKENS}", "train.rollout.max_turns=3",
-        f"train.rollout.temperature={TEMPERATURE}", "train.rollout.max_staleness=4", "train.algo.mini_batches=4",
+        f"train.rollout.temperature={TEMPERATURE}", "max_staleness=4", "train.algo.mini_batches=4",
         "train.algo.kl_coef=0.1", "train.algo.reference_on_disk=true", "train.optim.lr=5e-6",
         "train.optim.micro_batch_tokens=768", f"gate_tasks={args.gate_tasks}", "session_idle_s=3", "group_wait_s=90",
         f"user_cap={args.user_cap}", "train.log.trajectories_every=0",

@@ -45,7 +45,7 @@ from agent_r1.engines.protocol import Engine, SamplingParams, alias_key, full_st
 from agent_r1.evaluate import evaluate
 from agent_r1.online.rewards import Judge, JudgeConfig, JudgeError, answer_reward, implicit_rule, session_return
 from agent_r1.online.store import Interaction, Store, StoreError
-from agent_r1.trainer.config import RolloutConfig, TrainConfig
+from agent_r1.trainer.config import TrainConfig
 from agent_r1.types import Step, Termination, Trajectory
 
 JUDGE_RETRY_S = 60.0  # an answer the judge failed on is asked again after this long
@@ -59,13 +59,12 @@ class LearnConfig:
     """the serve --learn servers that take each promoted version (base URLs, without /v1)"""
     versions_dir: str = "runs/online/versions"
     """where promoted weights go: a directory every server can read"""
-    train: TrainConfig = field(
-        default_factory=lambda: TrainConfig(
-            run_dir="runs/online/trainer", steps=1000, rollout=RolloutConfig(max_staleness=4)
-        )
-    )
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(run_dir="runs/online/trainer", steps=1000))
     """the RL settings (train.task's val split is the gate's held-out set; tasks_per_step = groups per step,
     group_size = the most trajectories a group contributes)"""
+    max_staleness: int = 4
+    """the most trainer steps an answer may lag the trainer's weights (train.rollout.max_staleness, which
+    is left unset here): answers sampled before the last promotions are still arriving"""
     min_group: int = 2
     """trajectories a group needs before it may be trained (GRPO compares them)"""
     group_wait_s: float = 120.0
@@ -103,15 +102,17 @@ class LearnConfig:
             (bool(self.servers), "servers: give at least one serve --learn URL"),
             (not t.lora.enabled, "train.lora.enabled is not supported by agent-r1 learn yet: train the full model"),
             (t.val.every == 0, "train.val.every must be 0: the gate evaluates every candidate (gate_tasks)"),
+            (self.max_staleness >= 1, f"max_staleness must be >= 1, got {self.max_staleness}"),
             (
-                t.rollout.max_staleness >= 1,
-                "train.rollout.max_staleness must be >= 1: answers sampled before the last promotion are still coming",
+                t.rollout.max_staleness in (0, self.max_staleness),
+                "set max_staleness (agent-r1 learn's own key), not train.rollout.max_staleness",
             ),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
         t.algo.old_logprobs = "recompute"  # a server, older versions: the trainer's log-probs anchor the ratio
+        t.rollout.max_staleness = self.max_staleness
 
 
 class StoreSource:

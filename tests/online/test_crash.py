@@ -108,7 +108,7 @@ def test_a_killed_trainer_resumes_and_trains_every_interaction_exactly_once(tool
         f"train.model={tool_model_dir}", "train.prompt_format=chat", f"train.run_dir={tmp_path / 'trainer'}",
         "train.steps=3", "train.save_every=1", "train.rollout.tasks_per_step=1", "train.rollout.group_size=4",
         "train.rollout.max_new_tokens=8", "gate_tasks=2", "session_idle_s=0", "group_wait_s=0", "poll_s=0.05",
-        "user_cap=1.0", "train.rollout.max_staleness=4",  # the answers were all sampled by version 0
+        "user_cap=1.0", "max_staleness=4",  # the answers were all sampled by version 0
     ]  # fmt: skip
     proc = subprocess.Popen([*CLI, "learn", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120

@@ -31,11 +31,11 @@ def learn_config(tmp_path, *overrides: str, **kw) -> LearnConfig:
     train = load_config(
         TrainConfig, None,
         [f"run_dir={tmp_path / 'trainer'}", "rollout.tasks_per_step=1", "rollout.group_size=4",
-         "rollout.max_staleness=1", "rollout.max_new_tokens=8", "optim.lr=1e-3", *overrides],
+         "rollout.max_new_tokens=8", "optim.lr=1e-3", *overrides],
     )  # fmt: skip
     base = dict(
         store=str(tmp_path / "store.db"), servers=["http://127.0.0.1:9"], versions_dir=str(tmp_path / "versions"),
-        train=train, session_idle_s=0.0, group_wait_s=0.0, poll_s=0.01, user_cap=1.0,
+        train=train, session_idle_s=0.0, group_wait_s=0.0, poll_s=0.01, user_cap=1.0, max_staleness=1,
     )  # fmt: skip
     return LearnConfig(**(base | kw))
 
@@ -153,7 +153,7 @@ def test_no_user_gets_more_than_the_cap_of_a_batch(tmp_path, store):
 def test_answers_older_than_the_staleness_bound_are_skipped(tmp_path, store):
     for k in range(2):
         store.record([turn(f"old{k}", 0, "Q", version=0), turn(f"old{k}", 1, "thanks", version=0)])
-    src = source(learn_config(tmp_path, "rollout.max_staleness=1"), store, scores=(0.5, 0.6, 0.7))
+    src = source(learn_config(tmp_path), store, scores=(0.5, 0.6, 0.7))  # max_staleness=1
     for step in (1, 2):  # two steps trained (on nothing here) and promoted: the answers are 2 steps old
         src.step = step
         src.publish(src.policy)
@@ -225,7 +225,9 @@ def test_learn_config_is_checked(tmp_path):
     with pytest.raises(ValueError, match=r"val\.every must be 0"):
         learn_config(tmp_path, "val.every=2")
     with pytest.raises(ValueError, match="max_staleness must be >= 1"):
-        learn_config(tmp_path, "rollout.max_staleness=0")
+        learn_config(tmp_path, max_staleness=0)
+    with pytest.raises(ValueError, match=r"not train\.rollout\.max_staleness"):
+        learn_config(tmp_path, "rollout.max_staleness=3")
 
 
 def test_live_traffic_trains_a_step_and_the_server_takes_the_new_version(tmp_path, tool_model_dir, tokenizer):
