@@ -221,17 +221,16 @@ class StoreSource:
         waiting = self.store.untrained()
         lag = cfg.train.rollout.max_staleness
         self.step_of = {v.version: v.step for v in self.store.versions()}
-        stale = [i.id for i in waiting if self.basis - self._step(min(i.versions, default=-1)) > lag]
+        stale = {i.id for i in waiting if self.basis - self._step(min(i.versions, default=-1)) > lag}
         if stale:
-            self.store.skip(stale, "stale")
+            self.store.skip(sorted(stale), "stale")
         # the trainer takes log-probs at its sampling temperature: answers sampled at another (greedy ones have
         # none to train) would get a wrong importance ratio
-        other = [
-            i.id for i in waiting if abs(i.temperature - cfg.train.rollout.temperature) > 1e-6 and i.id not in stale
-        ]
+        temperature = cfg.train.rollout.temperature
+        other = {i.id for i in waiting if abs(i.temperature - temperature) > 1e-6 and i.id not in stale}
         if other:
-            self.store.skip(other, "temperature")
-        waiting = [i for i in waiting if i.id not in set(stale) | set(other)]
+            self.store.skip(sorted(other), "temperature")
+        waiting = [i for i in waiting if i.id not in stale and i.id not in other]
         sessions = self.store.sessions(i.session for i in waiting)
         settled = {s for s, row in sessions.items() if now - row["last_seen"] >= cfg.session_idle_s}
         trajs, unscored = self._trajectories([i for i in waiting if i.session in settled])

@@ -311,17 +311,18 @@ class Store:
             return [dict(row._mapping) for row in conn.execute(query.order_by(r.id))]
 
     # --- the trainer's side ------------------------------------------------------------------------
-    def untrained(self, limit: int = 100_000) -> list[Interaction]:
-        """Interactions neither trained nor skipped, oldest first."""
+    def untrained(self, limit: int = 10_000) -> list[Interaction]:
+        """The newest `limit` interactions neither trained nor skipped, oldest first. The limit keeps the
+        trainer's queries under SQLite's 32,766 bound variables; older ones wait (retention ends them)."""
         c = INTERACTIONS.c
         query = (
             sa.select(INTERACTIONS)
             .where(c.trained_step.is_(None), c.skipped.is_(None))
-            .order_by(c.created, c.id)
+            .order_by(c.created.desc(), c.id.desc())
             .limit(limit)
         )
         with self.engine.connect() as conn:
-            return [_interaction(row._mapping) for row in conn.execute(query)]
+            return [_interaction(row._mapping) for row in conn.execute(query)][::-1]
 
     def sessions(self, ids: Iterable[str]) -> dict[str, dict[str, Any]]:
         query = sa.select(SESSIONS).where(SESSIONS.c.id.in_(list(set(ids))))
