@@ -5,11 +5,14 @@
   calls as OpenAI `tool_calls` (with `parallel_tool_calls: true`, the model ends its turn itself, every
   call it wrote returned). `tool_choice` `required` or a named function writes the call's opening at the
   end of the prompt and the model samples the rest (`messages.forced_call`); `n` samples that many
-  answers, each with its own seed; `response_format` other than text is a 400 (no constrained decoding).
-  `stream=true` sends server-sent events.
+  answers, each with its own seed; a forced call and `response_format` JSON are sampled under a grammar
+  (`messages.answer_grammar`). `stream=true` sends server-sent events.
 * `/v1/messages` (Anthropic Messages, with `/v1/messages/count_tokens`) and `/v1/responses` (OpenAI
   Responses, with `previous_response_id` over the responses this server stored) are the chat request they
   mean (agent_r1/api/anthropic.py, responses.py), answered in their own bodies and event streams.
+* With a recorder (`serve --learn`, agent_r1/online/record.py), every chat request is committed to the
+  interaction store before its answer goes out; `/v1/feedback` takes users' scores and `/v1/learn` says
+  what the store holds (docs/online.md).
 * `/v1/completions` takes token ids and returns token ids and log-probs (vLLM's field names), so
   `RemoteEngine` can drive it exactly like vLLM.
 * `/v1/load_weights` swaps in new weights from a safetensors file between two batches (the engine's
