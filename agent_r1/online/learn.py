@@ -77,6 +77,9 @@ class LearnConfig:
     """how often the store is read while a step waits for groups"""
     user_cap: float = 0.25
     """the largest share of a batch's trajectories one user (or unnamed session) may have"""
+    keep_versions: int = 5
+    """weights files kept for rollback: the serving version's, the starting weights', and this many newest
+    others (each is the whole model: 0.5 GB for 135M parameters in fp32)"""
     gate_tasks: int = 32
     """held-out tasks the gate evaluates each candidate on"""
     gate_margin: float = 0.0
@@ -98,6 +101,7 @@ class LearnConfig:
             (t.rollout.group_size >= self.min_group, "train.rollout.group_size must be >= min_group"),
             (0 < self.user_cap <= 1, f"user_cap must be in (0, 1], got {self.user_cap}"),
             (self.gate_tasks >= 1 and self.gate_margin >= 0, "gate_tasks must be >= 1 and gate_margin >= 0"),
+            (self.keep_versions >= 0, f"keep_versions must be >= 0, got {self.keep_versions}"),
             (min(waits) >= 0, "group_wait_s, session_idle_s, feedback_wait_s, poll_s, retention_days must be >= 0"),
             (bool(self.servers), "servers: give at least one serve --learn URL"),
             (not t.lora.enabled, "train.lora.enabled is not supported by agent-r1 learn yet: train the full model"),
@@ -368,7 +372,20 @@ class StoreSource:
         path = save_weights(model, Path(self.cfg.versions_dir) / name)
         number = self.store.add_version(step, str(path), score, "serving", note)
         push(self.cfg.servers, str(path), number, self.console)
+        self._forget_old()
         return self.store.serving()
+
+    def _forget_old(self) -> None:
+        """Delete the weights files past `keep_versions` (never the serving one's, nor the starting weights',
+        nor a file a kept version shares, as a rollback's does)."""
+        kept = [v for v in self.store.versions() if v.path]
+        protected = {v.path for v in kept if v.status == "serving" or v.version == 0}
+        others = sorted((v for v in kept if v.path not in protected), key=lambda v: -v.version)
+        keep = protected | {v.path for v in others[: self.cfg.keep_versions]}
+        for v in others[self.cfg.keep_versions :]:
+            self.store.forget_weights(v.version)
+            if v.path not in keep:
+                Path(v.path).unlink(missing_ok=True)
 
     def _load(self, path: str) -> None:
         from safetensors.torch import load_file

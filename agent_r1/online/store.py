@@ -409,6 +409,11 @@ class Store:
             )
         return number
 
+    def forget_weights(self, version: int) -> None:
+        """The version's weights file is no longer kept (deleted by the caller): it cannot be rolled back to."""
+        with self.engine.begin() as conn:
+            conn.execute(sa.update(VERSIONS).where(VERSIONS.c.version == version).values(path=None))
+
     def serving(self) -> Version | None:
         """The version servers should serve (the last promoted or rolled back to), None before the first."""
         with self.engine.connect() as conn:

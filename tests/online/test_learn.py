@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -189,6 +190,19 @@ def test_the_gate_promotes_or_rejects_and_a_rejected_trainer_returns_to_the_serv
     assert rejected["gate/promoted"] == 0.0 and store.serving().version == 1
     assert store.versions()[-1].status == "rejected" and store.versions()[-1].path is None
     assert torch.equal(policy.model.norm.weight, load_file(serving_path)["model.norm.weight"])  # went back
+
+
+def test_only_keep_versions_weights_files_are_kept(tmp_path, store):
+    src = source(learn_config(tmp_path, keep_versions=2), store, scores=(0.5, 0.6, 0.7, 0.8, 0.9))
+    for step in range(1, 5):
+        src.step = step
+        src.publish(src.policy)
+    kept = {v.version: v.path for v in store.versions() if v.path}
+    assert sorted(kept) == [0, 2, 3, 4]  # the start, 2 newest others, the serving one
+    files = sorted(p.name for p in (tmp_path / "versions").iterdir())
+    assert len(files) == 4 and all(Path(p).is_file() for p in kept.values())
+    with pytest.raises(ValueError, match="version 1 is not kept"):
+        run_rollback(RollbackConfig(store=store.where, version=1, servers=[]))
 
 
 def test_rollback_serves_a_kept_version_again(tmp_path, store):
