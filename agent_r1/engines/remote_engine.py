@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import tempfile
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +52,7 @@ from agent_r1.engines.protocol import (
     no_cohort,
     replay_tokens,
 )
+from agent_r1.utils.paths import save_tensors_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -173,20 +173,11 @@ class RemoteEngine:
 
     def _write(self, state: Mapping[str, torch.Tensor]) -> tuple[str, str, int]:
         """(folder, file, tensors): `state` written atomically where the server reads it."""
-        from safetensors.torch import save_file
-
         folder = os.path.join(os.path.abspath(self.sync_dir), "weights")  # vLLM reloads every file of a folder
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, "model.safetensors")
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.sync_dir + "/"), prefix=".weights-", suffix=".tmp")
-        os.close(fd)
-        try:
-            tensors = _unaliased(state)
-            save_file(tensors, tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        tensors = _unaliased(state)
+        save_tensors_atomic(tensors, path, tmp_dir=os.path.dirname(self.sync_dir + "/"))  # not in the folder vLLM reads
         return folder, path, len(tensors)
 
     def _load(self, folder: str, path: str, version: int, between_tokens: bool) -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -47,6 +46,7 @@ from agent_r1.online.rewards import Judge, JudgeConfig, JudgeError, answer_rewar
 from agent_r1.online.store import Interaction, Store, StoreError
 from agent_r1.trainer.config import TrainConfig
 from agent_r1.types import Step, Termination, Trajectory
+from agent_r1.utils.paths import save_tensors_atomic
 
 JUDGE_RETRY_S = 60.0  # an answer the judge failed on is asked again after this long
 
@@ -395,8 +395,6 @@ class StoreSource:
 
 def save_weights(model: torch.nn.Module, path: Path) -> Path:
     """The model's weights (tied ones once) in a safetensors file, through a temporary file and a rename."""
-    from safetensors.torch import save_file
-
     path = path.resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     seen, tensors = set(), {}
@@ -404,14 +402,7 @@ def save_weights(model: torch.nn.Module, path: Path) -> Path:
         if (key := alias_key(t)) not in seen:
             seen.add(key)
             tensors[name] = t.detach().to("cpu").contiguous()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    save_tensors_atomic(tensors, path)
     return path
 
 
